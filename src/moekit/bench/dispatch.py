@@ -1,0 +1,123 @@
+"""`moekit bench dispatch`: dispatch and combine latency of a dispatcher across ranks.
+
+Each rank holds ``tokens_per_rank`` tokens of the chosen shape and a pool of routings
+(synthetic, balancedness ``beta``; rotated per iteration so no two consecutive iterations
+reuse one). Three things are timed, all ranks aligned before every iteration, the
+slowest rank's time taken per iteration (``moekit.bench.timing.time_distributed``):
+
+* dispatch alone;
+* combine alone (of an earlier dispatch of the same routing; identity experts);
+* the round trip dispatch -> combine.
+
+The JSON record (``moekit.bench.report.write_record``) holds the environment (device,
+GPU count, versions, commit), the parameters, and the summary of every series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from itertools import cycle
+
+import torch
+
+from moekit.bench.report import format_table, write_record
+from moekit.bench.stats import summarize
+from moekit.bench.timing import time_distributed
+from moekit.ep import AllToAllDispatcher, current_device, default_backend, launch
+from moekit.routing import synthetic_routing
+from moekit.shapes import get_shape
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher}
+
+
+@dataclass(frozen=True)
+class DispatchBenchConfig:
+    shape: str = "deepseek-v3"
+    tokens_per_rank: int = 128
+    world_size: int = 2
+    dispatcher: str = "alltoall"
+    hidden: int | None = None  # override the preset's
+    top_k: int | None = None
+    num_experts: int | None = None
+    beta: float = 1.0
+    iters: int = 1000
+    warmup: int = 50
+    pool: int = 16  # routings rotated through
+    seed: int = 0
+    dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
+
+    def resolved_shape(self):
+        s = get_shape(self.shape)
+        return s.scaled(hidden=self.hidden or s.hidden, top_k=self.top_k or s.top_k,
+                        num_experts=self.num_experts or s.num_experts)
+
+
+def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
+    device = current_device()
+    shape = cfg.resolved_shape()
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    T = cfg.tokens_per_rank
+    dispatcher = DISPATCHERS[cfg.dispatcher](shape.num_experts, hidden=shape.hidden, top_k=shape.top_k)
+    gen = torch.Generator().manual_seed(cfg.seed * 131 + rank)
+    pool = []
+    for i in range(cfg.pool):
+        # Routing of all ranks' tokens from one seed, so the pool is consistent across ranks.
+        ids, w = synthetic_routing(world_size * T, shape.num_experts, shape.top_k, beta=cfg.beta,
+                                   seed=cfg.seed * 10_000 + i)
+        x = torch.randn(T, shape.hidden, generator=gen).to(device=device, dtype=dtype)
+        pool.append((x, ids[rank * T:(rank + 1) * T].to(device), w[rank * T:(rank + 1) * T].to(device)))
+    dispatched = [dispatcher.dispatch(*p) for p in pool]
+
+    inputs, pairs = cycle(pool), cycle(dispatched)
+    series = {
+        "dispatch": lambda: dispatcher.dispatch(*next(inputs)),
+        "combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(next(pairs)),
+        "dispatch+combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(dispatcher.dispatch(*next(inputs))),
+    }
+    out = {}
+    for name, fn in series.items():
+        times = time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup)
+        out[name] = times.max_us
+    rows_sent = [sum(d.handle.state["send_splits"]) for d in dispatched]
+    out["rows_sent_mean"] = sum(rows_sent) / len(rows_sent)
+    out["bytes_per_row"] = shape.hidden * torch.empty((), dtype=dtype).element_size()
+    out["device"] = str(device)
+    out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "benchmarks/results") -> dict:
+    """Run the benchmark on ``cfg.world_size`` local ranks; write and return the record."""
+    if cfg.dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {cfg.dispatcher!r}")
+    if cfg.iters < 1 or cfg.warmup < 0 or cfg.pool < 1 or cfg.tokens_per_rank < 0:
+        raise ValueError("iters and pool must be >= 1, warmup and tokens_per_rank >= 0")
+    shape = cfg.resolved_shape()
+    shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
+    backend = default_backend(cfg.world_size)
+    ranks = launch(_bench_rank, cfg.world_size, cfg, backend=backend)
+    first = ranks[0]
+    results = {name: summarize(first[name]) for name in ("dispatch", "combine", "dispatch+combine")}
+    results["rows_sent_per_rank_mean"] = sum(r["rows_sent_mean"] for r in ranks) / len(ranks)
+    results["bytes_sent_per_rank_mean"] = results["rows_sent_per_rank_mean"] * first["bytes_per_row"]
+    params = asdict(cfg) | {"shape_resolved": asdict(shape), "backend": backend, "dtype": first["dtype"],
+                            "timing": "slowest rank per iteration; ranks aligned before each iteration"}
+    record = {"params": params, "results": results}
+    if out_dir is not None:
+        record["path"] = str(write_record("dispatch", params, results, out_dir=out_dir))
+    return record
+
+
+def format_dispatch_bench(record: dict) -> str:
+    p, r = record["params"], record["results"]
+    s = p["shape_resolved"]
+    head = (f"{p['dispatcher']} dispatcher, {p['world_size']} ranks ({p['backend']}), {p['shape']}: "
+            f"E={s['num_experts']} top-{s['top_k']} H={s['hidden']}, {p['tokens_per_rank']} tokens/rank, "
+            f"{p['dtype']}, {p['iters']} iterations after {p['warmup']} warm-up\n"
+            f"rows sent per rank (mean): {r['rows_sent_per_rank_mean']:.0f} "
+            f"({r['bytes_sent_per_rank_mean'] / 1e6:.2f} MB)\n")
+    rows = [{"phase": k, **{c: r[k][c] for c in ("median", "p95", "p99", "mean", "min")}}
+            for k in ("dispatch", "combine", "dispatch+combine")]
+    table = format_table(rows, ["phase", "median", "p95", "p99", "mean", "min"])
+    tail = f"\n(µs, slowest rank per iteration){chr(10) + 'record: ' + record['path'] if 'path' in record else ''}"
+    return head + table + tail

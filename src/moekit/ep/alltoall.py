@@ -1,0 +1,104 @@
+"""Eager expert-parallel dispatch/combine over ``all_to_all_single``.
+
+Dispatch: each rank sorts its (token, slot) pairs by destination expert, exchanges the
+per-(rank, expert) counts with one all-to-all, reads them on the host to size the messages,
+then sends one row per pair (the token's hidden vector) plus its (token, slot) index.
+Combine returns the expert outputs along the reverse path and sums the K slots of each
+token with ``weighted_slot_sum``. Works on gloo (CPU) and NCCL (GPU); a single process
+with no process group runs the same code with the collectives replaced by copies.
+
+This path is the baseline: it sizes everything exactly, so it pads nothing, but it
+synchronizes with the host once per dispatch and cannot be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
+from moekit.ep.layout import ExpertPlacement, SendPlan, expert_major_positions, plan_send
+
+
+class AllToAllDispatcher:
+    """Eager dispatcher: exact-size messages, expert-major output with dynamic capacity.
+
+    ``capacity`` of the result is the largest number of rows any local expert received.
+    """
+
+    def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
+                 hidden: int | None = None, top_k: int | None = None, max_tokens: int | None = None):
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.placement = ExpertPlacement(num_experts, self.world_size)
+        self.hidden, self.top_k, self.max_tokens = hidden, top_k, max_tokens
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.placement.experts_per_rank
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden,
+                         top_k=self.top_k, max_tokens=self.max_tokens)
+        plan = plan_send(topk_ids, self.placement)
+        recv_counts = self._all_to_all_equal(plan.counts)  # [P, E_local]: row s = what s sends us
+        send_splits = plan.counts.sum(1).tolist()  # the one host sync of the eager path
+        recv_splits = recv_counts.sum(1).tolist()
+
+        H = x.shape[1]
+        recv_x = self._all_to_all(x[plan.token], sum(recv_splits), recv_splits, send_splits)
+        index = torch.stack([plan.token, plan.slot], dim=1)
+        recv_index = self._all_to_all(index, sum(recv_splits), recv_splits, send_splits)
+
+        expert, pos, src = expert_major_positions(recv_counts)
+        counts = recv_counts.sum(0)
+        capacity = int(counts.max()) if counts.numel() else 0
+        E_local = self.experts_per_rank
+        tokens = x.new_zeros(E_local, capacity, H)
+        tokens[expert, pos] = recv_x
+        src_rank, src_token, src_slot = (
+            torch.full((E_local, capacity), -1, dtype=torch.int64, device=x.device) for _ in range(3)
+        )
+        src_rank[expert, pos] = src
+        src_token[expert, pos] = recv_index[:, 0]
+        src_slot[expert, pos] = recv_index[:, 1]
+        state = dict(plan=plan, expert=expert, pos=pos, send_splits=send_splits, recv_splits=recv_splits,
+                     topk_ids=topk_ids, topk_weights=topk_weights, num_tokens=x.shape[0])
+        return Dispatched(tokens, counts, DispatchHandle(src_rank, src_token, src_slot, state))
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        state = dispatched.handle.state
+        if expert_out.dim() != 3 or expert_out.shape[:2] != dispatched.tokens.shape[:2]:
+            raise ValueError(
+                f"expert_out must be [E_local, capacity, H] = {tuple(dispatched.tokens.shape[:2])} + [H], "
+                f"got {tuple(expert_out.shape)}"
+            )
+        plan: SendPlan = state["plan"]
+        back = expert_out[state["expert"], state["pos"]]  # rows in the order they arrived
+        returned = self._all_to_all(back, sum(state["send_splits"]), state["send_splits"], state["recv_splits"])
+        T, K, H = state["num_tokens"], plan.top_k, expert_out.shape[2]
+        slot_out = expert_out.new_zeros(T * K, H)
+        slot_out[plan.pair] = returned
+        return weighted_slot_sum(slot_out.view(T, K, H), state["topk_ids"], state["topk_weights"], expert_out.dtype)
+
+    # -- collectives (plain copies when there is a single rank) --------------------------------
+
+    def _all_to_all_equal(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        if self.world_size == 1:
+            return out.copy_(t)
+        dist.all_to_all_single(out, t.contiguous(), group=self.group)
+        return out
+
+    def _all_to_all(self, t: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        out = t.new_empty((out_rows, *t.shape[1:]))
+        if self.world_size == 1:
+            return out.copy_(t)
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
+        return out

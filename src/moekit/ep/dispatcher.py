@@ -1,0 +1,133 @@
+"""The Dispatcher protocol, the Dispatched record, and the two pieces every dispatcher shares:
+input validation and the slot-ordered weighted combine.
+
+Layout of a dispatch result (DESIGN.md): received rows in expert-major layout
+``[E_local, capacity, H]``; ``counts[e]`` rows of expert ``e`` are valid. Within an expert the
+rows are in canonical order (source rank, source token, slot k), so that every dispatcher
+returns the same rows in the same places and results can be compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class DispatchHandle:
+    """What combine needs to send expert outputs home.
+
+    ``src_rank`` / ``src_token`` / ``src_slot``: ``[E_local, capacity]`` int64, the source
+    rank, token index on that rank and top-k slot of every received row (-1 on padding
+    rows). ``state`` is private to the dispatcher that made the handle.
+    """
+
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    src_slot: torch.Tensor
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Dispatched:
+    """Tokens received by this rank, grouped by local expert.
+
+    tokens: ``[E_local, capacity, H]`` (FP8 when quantized, then ``scales`` is
+    ``[E_local, capacity, H // group]`` float32); counts: ``[E_local]`` int64 valid rows.
+    """
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    handle: DispatchHandle
+    scales: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    def valid_rows(self, expert: int) -> torch.Tensor:
+        """The ``counts[expert]`` received rows of one local expert (host sync: for tests and tools)."""
+        return self.tokens[expert, : int(self.counts[expert])]
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """Moves tokens to the ranks of their experts and the expert outputs back."""
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched: ...
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+
+def validate_routing(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    hidden: int | None = None,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+    check_ids: bool = True,
+) -> None:
+    """Raise ValueError naming the argument when the inputs of ``dispatch`` are malformed.
+
+    ``check_ids`` reads the id range back to the host; graph-captured paths pass False and
+    rely on an overflow/invalid flag instead.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [T, H], got {_describe(x)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    T, H = x.shape
+    if hidden is not None and H != hidden:
+        raise ValueError(f"x must have hidden size H={hidden}, got {H}")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"x has T={T} tokens; this dispatcher allows T in [0, {max_tokens}]")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be a 2-D tensor [T={T}, K], got {_describe(topk_ids)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got dtype {topk_ids.dtype}")
+    K = topk_ids.shape[1]
+    if top_k is not None and K != top_k:
+        raise ValueError(f"topk_ids must have K={top_k} columns, got {K}")
+    if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (T, K):
+        raise ValueError(f"topk_weights must have the shape of topk_ids {(T, K)}, got {_describe(topk_weights)}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; they must share a device")
+    if check_ids and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(
+                f"topk_ids must be in [-1, {num_experts - 1}] (-1 = masked slot), got values in [{lo}, {hi}]"
+            )
+
+
+def weighted_slot_sum(
+    slot_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """y[t] = sum_k w[t, k] * slot_out[t, k], the combine every dispatcher ends with.
+
+    The contract of DESIGN.md: accumulate in float32 in slot order k = 0..K-1, each term the
+    float32 product of the float32 routing weight and the float32 expert output, then cast
+    once. Masked slots (id -1) are skipped, whatever their rows hold. Keeping one function
+    for this is what makes all dispatchers bitwise identical.
+    """
+    T, K, H = slot_out.shape
+    acc = torch.zeros(T, H, dtype=torch.float32, device=slot_out.device)
+    weights = topk_weights.to(torch.float32)
+    for k in range(K):
+        term = slot_out[:, k].to(torch.float32) * weights[:, k : k + 1]
+        acc = torch.where((topk_ids[:, k] >= 0).unsqueeze(1), acc + term, acc)
+    return acc.to(out_dtype)
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+    return type(t).__name__

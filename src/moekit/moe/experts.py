@@ -1,0 +1,97 @@
+"""SwiGLU experts stored as stacked weights, and the random weights of a whole MoE block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from moekit.shapes import MoEShape
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where h = [gate | up] along the last dimension."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert on rows x[..., H]: w13 is [2N, H], w2 is [H, N]."""
+    return swiglu(x @ w13.t()) @ w2.t()
+
+
+@dataclass
+class MoEWeights:
+    """All weights of one MoE block: router [E, H], w13 [E, 2N, H], w2 [E, H, N], and the
+    shared experts fused into one SwiGLU MLP (shared_w13 [2S, H], shared_w2 [H, S] with
+    S = num_shared * shared_intermediate), or None."""
+
+    router: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_w13: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+
+    @classmethod
+    def random(cls, shape: MoEShape, *, seed: int = 0, dtype=torch.float32, device="cpu") -> "MoEWeights":
+        """Reproducible random weights, scaled so activations keep unit-order magnitude.
+
+        Drawn on the CPU in float64 from ``seed`` and then cast, so every rank and every
+        device gets the same numbers.
+        """
+        g = torch.Generator().manual_seed(seed)
+        H, N, E = shape.hidden, shape.intermediate, shape.num_experts
+
+        def draw(*size, fan_in):
+            w = torch.randn(*size, generator=g, dtype=torch.float64) * fan_in**-0.5
+            return w.to(device=device, dtype=dtype)
+
+        router = draw(E, H, fan_in=H).to(torch.float32)
+        w13, w2 = draw(E, 2 * N, H, fan_in=H), draw(E, H, N, fan_in=N)
+        shared_w13 = shared_w2 = None
+        if shape.num_shared_experts:
+            S = shape.num_shared_experts * shape.shared_intermediate
+            shared_w13, shared_w2 = draw(2 * S, H, fan_in=H), draw(H, S, fan_in=S)
+        return cls(router, w13, w2, shared_w13, shared_w2)
+
+    def to(self, dtype=None, device=None) -> "MoEWeights":
+        """A copy with the expert weights cast (the router stays float32 unless dtype is float64)."""
+        def cast(t):
+            return None if t is None else t.to(device=device, dtype=dtype)
+        router_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        return MoEWeights(self.router.to(device=device, dtype=router_dtype), cast(self.w13),
+                          cast(self.w2), cast(self.shared_w13), cast(self.shared_w2))
+
+
+class SwiGLUExperts(nn.Module):
+    """The experts of one rank, run on the expert-major layout a Dispatcher returns.
+
+    ``forward(tokens[E_local, capacity, H], counts[E_local])`` -> [E_local, capacity, H].
+    Rows at or past ``counts[e]`` are padding; their outputs are unspecified and no
+    combine reads them. This is the plain-torch expert compute (batched matmuls); the fused
+    Triton kernel is the fast one.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
+            raise ValueError(f"w13 must be [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        if w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
+            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on H or N")
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.dim() != 3 or tokens.shape[0] != self.num_experts or tokens.shape[2] != self.w13.shape[2]:
+            raise ValueError(
+                f"tokens must be [E_local={self.num_experts}, capacity, H={self.w13.shape[2]}], "
+                f"got {tuple(tokens.shape)}"
+            )
+        h = torch.bmm(tokens.to(self.w13.dtype), self.w13.transpose(1, 2))
+        return torch.bmm(swiglu(h), self.w2.transpose(1, 2))

@@ -1,0 +1,53 @@
+"""MoELayer: router -> dispatcher -> local experts -> combine (+ shared experts)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.ep.alltoall import AllToAllDispatcher
+from moekit.ep.dispatcher import Dispatcher
+from moekit.moe.experts import MoEWeights, SwiGLUExperts, expert_mlp
+from moekit.moe.router import TopKRouter
+from moekit.shapes import MoEShape
+
+
+class MoELayer(nn.Module):
+    """One expert-parallel MoE block on this rank.
+
+    Holds the router (replicated), the experts this rank owns (contiguous placement:
+    experts ``rank * E_local .. (rank + 1) * E_local - 1``) and the shared experts
+    (replicated). ``weights`` are the full block's weights, identical on every rank (build
+    them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to the eager
+    all-to-all over the default process group (or a single process when there is none).
+    """
+
+    def __init__(self, shape: MoEShape, weights: MoEWeights, *, dispatcher: Dispatcher | None = None,
+                 rank: int = 0, world_size: int = 1, renormalize: bool = True):
+        super().__init__()
+        E_local = shape.experts_per_rank(world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size - 1}], got {rank}")
+        self.shape = shape
+        self.router = TopKRouter(shape.hidden, shape.num_experts, shape.top_k,
+                                 renormalize=renormalize, weight=weights.router, device=weights.w13.device)
+        lo = rank * E_local
+        self.experts = SwiGLUExperts(weights.w13[lo:lo + E_local].clone(), weights.w2[lo:lo + E_local].clone())
+        self.shared_w13 = weights.shared_w13
+        self.shared_w2 = weights.shared_w2
+        self.dispatcher = dispatcher or AllToAllDispatcher(shape.num_experts, hidden=shape.hidden,
+                                                           top_k=shape.top_k)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """y[T, H]; the routing comes from the router unless given (synthetic or replayed routing)."""
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("topk_ids and topk_weights must be given together (or neither)")
+        if topk_ids is None:
+            topk_ids, topk_weights = self.router(x)
+        dispatched = self.dispatcher.dispatch(x, topk_ids, topk_weights)
+        expert_out = self.experts(dispatched.tokens, dispatched.counts)
+        y = self.dispatcher.combine(expert_out, dispatched)
+        if self.shared_w13 is not None:
+            y = y + expert_mlp(x, self.shared_w13, self.shared_w2).to(y.dtype)
+        return y

@@ -1,0 +1,91 @@
+"""The MoE serving tax (seed 003): an analytical model, padding, balls-bins-buckets
+simulation, communication volumes, expert load balancing, and a report.
+
+    from moekit.tax import TaxModel, tax_report
+    print(tax_report("mixtral-8x7b", "H200"))
+
+See docs/tax.md for the equations as implemented.
+"""
+
+from .bbb import (
+    FIG10_CONFIGS,
+    BBBConfig,
+    LoadStats,
+    Placement,
+    as_topk_array,
+    assignment_gpus,
+    bbb_bounds,
+    expert_counts,
+    figure10_data,
+    loads_from_counts,
+    sample_routing,
+    simulate,
+    zipf_popularity,
+)
+from .comm import (
+    allreduce_time,
+    alltoall_time,
+    api_volume_ratio,
+    network_volume_ratio,
+    network_volumes,
+    token_sources,
+    traffic,
+)
+from .eplb import (
+    balanced_packing,
+    compare_balancers,
+    eplb_placement,
+    evaluate_placement,
+    padding_aware_placement,
+    replicate_experts,
+)
+from .hardware import PRESETS as HARDWARE_PRESETS
+from .hardware import Hardware, get_hardware, load_hardware, with_overrides
+from .model import (
+    PARALLELISMS,
+    PHASES,
+    REGIMES,
+    AttentionSpec,
+    TaxModel,
+    TaxPoint,
+    UnitCosts,
+    attention_spec,
+    compare,
+    format_compare,
+    rebatch,
+    unit_costs,
+)
+from .padding import (
+    active_experts,
+    eta,
+    expected_active_experts,
+    expected_eta,
+    expected_padded_work,
+    max_load_bounds,
+    padded_work,
+    round_up,
+)
+from .report import tax_report
+
+__all__ = [
+    # model
+    "TaxModel", "TaxPoint", "UnitCosts", "unit_costs", "AttentionSpec", "attention_spec",
+    "compare", "format_compare", "rebatch", "PARALLELISMS", "PHASES", "REGIMES",
+    # hardware
+    "Hardware", "HARDWARE_PRESETS", "get_hardware", "load_hardware", "with_overrides",
+    # padding and activation
+    "round_up", "padded_work", "eta", "active_experts", "expected_active_experts",
+    "expected_padded_work", "expected_eta", "max_load_bounds",
+    # balls-bins-buckets
+    "Placement", "LoadStats", "simulate", "loads_from_counts", "sample_routing",
+    "zipf_popularity", "as_topk_array", "expert_counts", "assignment_gpus", "bbb_bounds",
+    "BBBConfig", "FIG10_CONFIGS", "figure10_data",
+    # communication
+    "api_volume_ratio", "network_volume_ratio", "network_volumes", "traffic",
+    "token_sources", "alltoall_time", "allreduce_time",
+    # load balancing
+    "replicate_experts", "balanced_packing", "eplb_placement", "padding_aware_placement",
+    "evaluate_placement", "compare_balancers",
+    # report
+    "tax_report",
+]

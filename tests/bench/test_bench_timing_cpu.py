@@ -1,0 +1,104 @@
+"""moekit.bench.timing on the CPU clock (runs everywhere, also on GPU machines).
+
+Bounds are one-sided (a sample is at least the sleep it contains), so a loaded machine
+can make the numbers larger but never fail the tests.
+"""
+
+import time
+
+import pytest
+import torch
+
+from moekit.bench.timing import PhaseTimer, time_distributed, time_fn, time_graph_replay
+
+SLEEP_S = 0.002
+
+
+def test_time_fn_cpu_counts_each_sleep_and_excludes_warmup():
+    calls = []
+
+    def fn():
+        calls.append(None)
+        time.sleep(SLEEP_S)
+
+    samples = time_fn(fn, iters=5, warmup=2, device="cpu")
+    assert len(calls) == 7
+    assert len(samples) == 5
+    assert all(isinstance(sample, float) for sample in samples)
+    assert all(sample >= SLEEP_S * 1e6 for sample in samples)
+
+
+def test_time_fn_cpu_sync_fn_is_inside_the_timed_region():
+    syncs = []
+
+    def sync():
+        syncs.append(None)
+        time.sleep(SLEEP_S)  # stands in for waiting on asynchronous work
+
+    samples = time_fn(lambda: None, iters=4, warmup=1, device="cpu", sync_fn=sync)
+    assert len(syncs) == 1 + 4  # once after warm-up, then once per timed call
+    assert all(sample >= SLEEP_S * 1e6 for sample in samples)
+
+
+def test_time_fn_defaults_to_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    samples = time_fn(lambda: time.sleep(SLEEP_S), iters=2, warmup=0)
+    assert all(sample >= SLEEP_S * 1e6 for sample in samples)
+
+
+@pytest.mark.parametrize("iters, warmup", [(0, 1), (-1, 0), (2, -1), (1.5, 0)])
+def test_time_fn_rejects_bad_counts(iters, warmup):
+    with pytest.raises(ValueError, match="iters|warmup"):
+        time_fn(lambda: None, iters=iters, warmup=warmup, device="cpu")
+
+
+def test_cuda_functions_fail_clearly_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="time_graph_replay needs a CUDA GPU"):
+        time_graph_replay(lambda: None, iters=2, warmup=1)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        time_fn(lambda: None, iters=2, warmup=1, device="cuda")
+    with pytest.raises(ValueError, match="replays_per_sample"):
+        time_graph_replay(lambda: None, iters=2, warmup=1, replays_per_sample=0)
+
+
+def test_time_distributed_needs_a_process_group():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="process group"):
+        time_distributed(lambda: None, iters=2, warmup=1)
+
+
+def test_phase_timer_cpu():
+    timer = PhaseTimer(device="cpu")
+    for iteration in range(4):
+        if iteration == 1:
+            timer.reset()  # drop the warm-up iteration
+        with timer.phase("pack"):
+            time.sleep(SLEEP_S)
+        with timer.phase("all-to-all"):
+            time.sleep(2 * SLEEP_S)
+    results = timer.results()
+    assert list(results) == ["pack", "all-to-all"]
+    assert len(results["pack"]) == len(results["all-to-all"]) == 3
+    assert all(sample >= SLEEP_S * 1e6 for sample in results["pack"])
+    assert all(sample >= 2 * SLEEP_S * 1e6 for sample in results["all-to-all"])
+
+
+def test_phase_timer_records_nothing_for_a_failed_phase():
+    timer = PhaseTimer(device="cpu")
+    with pytest.raises(KeyError):
+        with timer.phase("broken"):
+            raise KeyError("boom")
+    with timer.phase("ok"):
+        pass
+    assert list(timer.results()) == ["ok"]
+
+
+def test_phase_timer_sync_fn_runs_at_each_boundary():
+    syncs = []
+    timer = PhaseTimer(device="cpu", sync_fn=lambda: syncs.append(None))
+    with timer.phase("a"):
+        pass
+    assert len(syncs) == 2
+

@@ -1,0 +1,23 @@
+"""`moekit bench dispatch` on 2 CPU ranks (tiny sizes): the record holds what DESIGN.md asks."""
+
+from __future__ import annotations
+
+from moekit.bench.dispatch import DispatchBenchConfig, format_dispatch_bench, run_dispatch_bench
+from moekit.bench.report import load_record
+
+
+def test_dispatch_bench_record(tmp_path):
+    cfg = DispatchBenchConfig(shape="deepseek-v3", tokens_per_rank=8, world_size=2, hidden=64,
+                              iters=20, warmup=2, pool=3)
+    record = run_dispatch_bench(cfg, out_dir=str(tmp_path))
+    saved = load_record(record["path"])
+    for key in ("dispatch", "combine", "dispatch+combine"):
+        summary = saved["results"][key]
+        assert summary["n"] == 20
+        assert 0 < summary["min"] <= summary["median"] <= summary["p99"] <= summary["max"]
+    # 8 tokens x top-8 per rank, every pair a row: 64 rows of 64 float32.
+    assert saved["results"]["rows_sent_per_rank_mean"] == 64
+    assert saved["results"]["bytes_sent_per_rank_mean"] == 64 * 64 * 4
+    env = saved["environment"]
+    assert env["torch"] and env["device"] and "git_commit" in env
+    assert "dispatch+combine" in format_dispatch_bench(record)

@@ -1,0 +1,54 @@
+"""Routing cases for the multi-rank dispatcher tests, rebuilt identically in every process
+from a name and a seed (workers receive only the names)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def skewed_ids(g: torch.Generator, T: int, E: int, K: int) -> torch.Tensor:
+    """Top-k without replacement from a steep popularity (a few experts take most tokens)."""
+    popularity = torch.tensor([0.6**i for i in range(E)], dtype=torch.float64)
+    popularity = popularity[torch.randperm(E, generator=g)]
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int64)
+    return torch.multinomial(popularity.expand(T, E), K, replacement=False, generator=g)
+
+
+def uniform_ids(g: torch.Generator, T: int, E: int, K: int) -> torch.Tensor:
+    return torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+
+
+def build_case(name: str, world_size: int, seed: int, *, dtype=torch.float32):
+    """(xs, ids, weights, num_experts) per rank for the named case."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, H = 4 * world_size, 2, 24
+    tokens = [int(t) for t in torch.randint(0, 20, (world_size,), generator=g)]
+    if name == "k1":
+        K = 1
+    if name == "empty":
+        tokens = [0] * world_size
+    if name == "one_rank_empty":
+        tokens[world_size - 1] = 0
+    xs, ids, ws = [], [], []
+    for r in range(world_size):
+        T = tokens[r]
+        if name == "skewed":
+            i = skewed_ids(g, T, E, K)
+        else:
+            i = uniform_ids(g, T, E, K)
+        if name == "one_expert":  # every token's first slot to expert 1; the rest masked
+            i[:, 0] = 1
+            i[:, 1:] = -1
+        if name == "rank0_only":  # only rank 0's experts are used: the others receive nothing
+            i = torch.rand(T, E // world_size, generator=g).argsort(dim=1)[:, :K]
+        if name == "masked":
+            i = torch.where(torch.rand(T, K, generator=g) < 0.3, torch.full_like(i, -1), i)
+        w = torch.rand(T, K, generator=g, dtype=torch.float32) + 0.05
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        ids.append(i.to(torch.int64))
+        ws.append(w / w.sum(dim=1, keepdim=True).clamp_min(1e-6))
+    return xs, ids, ws, E
+
+
+CASES = ["uniform", "skewed", "rank0_only", "one_expert", "empty", "one_rank_empty", "k1", "masked"]
