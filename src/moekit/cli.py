@@ -59,6 +59,12 @@ def cmd_bench_dispatch(args) -> int:
     return 0
 
 
+def cmd_bench_capspill(args) -> int:
+    from moekit.bench.capspill import main as capspill_main
+
+    return capspill_main(args.extra)
+
+
 def cmd_tax(args) -> int:
     from moekit.tax.report import tax_report
 
@@ -111,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--out-dir", default="benchmarks/results")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=cmd_bench_dispatch)
+    bc = b.add_parser("capspill", add_help=False,
+                      help="MaxCounts vs Eager vs Cap-and-Spill on the Mixtral trace (options: --help)")
+    bc.set_defaults(func=cmd_bench_capspill)
 
     x = sub.add_parser("tax", help="the MoE tax model: tau per batch size, dominant tax source, figures")
     x.add_argument("--model", default="mixtral-8x7b")
@@ -123,10 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `bench capspill` has its own parser (moekit.bench.capspill): hand it the rest.
+    args, extra = parser.parse_known_args(argv)
+    if args.func is not cmd_bench_capspill and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"moekit: error: {e}", file=sys.stderr)
         return 2
 

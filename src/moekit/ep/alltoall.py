@@ -23,12 +23,17 @@ from moekit.ep.layout import ExpertPlacement, SendPlan, expert_major_positions, 
 class AllToAllDispatcher:
     """Eager dispatcher: exact-size messages, expert-major output with dynamic capacity.
 
+    Host reads per dispatch: the id-range check (skip with ``check_ids=False``) and the
+    message sizes; combine reads nothing.
+
     ``capacity`` of the result is the largest number of rows any local expert received.
     """
 
     def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
-                 hidden: int | None = None, top_k: int | None = None, max_tokens: int | None = None):
+                 hidden: int | None = None, top_k: int | None = None, max_tokens: int | None = None,
+                 check_ids: bool = True):
         self.group = group
+        self.check_ids = check_ids
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         self.world_size = dist.get_world_size(group) if distributed else 1
@@ -45,11 +50,15 @@ class AllToAllDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
         validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden,
-                         top_k=self.top_k, max_tokens=self.max_tokens)
+                         top_k=self.top_k, max_tokens=self.max_tokens, check_ids=self.check_ids)
         plan = plan_send(topk_ids, self.placement)
         recv_counts = self._all_to_all_equal(plan.counts)  # [P, E_local]: row s = what s sends us
-        send_splits = plan.counts.sum(1).tolist()  # the one host sync of the eager path
-        recv_splits = recv_counts.sum(1).tolist()
+        counts = recv_counts.sum(0)
+        # The one host read of the eager path: message sizes and the output capacity.
+        P = self.world_size
+        sizes = torch.cat([plan.counts.sum(1), recv_counts.sum(1), counts.max().view(1) if counts.numel()
+                           else counts.new_zeros(1)]).tolist()
+        send_splits, recv_splits, capacity = sizes[:P], sizes[P:2 * P], sizes[2 * P]
 
         H = x.shape[1]
         recv_x = self._all_to_all(x[plan.token], sum(recv_splits), recv_splits, send_splits)
@@ -57,8 +66,6 @@ class AllToAllDispatcher:
         recv_index = self._all_to_all(index, sum(recv_splits), recv_splits, send_splits)
 
         expert, pos, src = expert_major_positions(recv_counts)
-        counts = recv_counts.sum(0)
-        capacity = int(counts.max()) if counts.numel() else 0
         E_local = self.experts_per_rank
         tokens = x.new_zeros(E_local, capacity, H)
         tokens[expert, pos] = recv_x

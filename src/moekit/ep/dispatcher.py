@@ -101,7 +101,7 @@ def validate_routing(
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; they must share a device")
     if check_ids and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_ids)).tolist())  # one host read
         if lo < -1 or hi >= num_experts:
             raise ValueError(
                 f"topk_ids must be in [-1, {num_experts - 1}] (-1 = masked slot), got values in [{lo}, {hi}]"
