@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
-from moekit.ep.layout import ExpertPlacement, SendPlan, expert_major_positions, plan_send
+from moekit.ep.layout import ExpertPlacement, expert_major_positions, plan_send
 
 
 class AllToAllDispatcher:
@@ -56,26 +56,25 @@ class AllToAllDispatcher:
         counts = recv_counts.sum(0)
         # The one host read of the eager path: message sizes and the output capacity.
         P = self.world_size
-        sizes = torch.cat([plan.counts.sum(1), recv_counts.sum(1), counts.max().view(1) if counts.numel()
-                           else counts.new_zeros(1)]).tolist()
+        capacity = counts.max().view(1) if counts.numel() else counts.new_zeros(1)
+        sizes = torch.cat([plan.counts.sum(1), recv_counts.sum(1), capacity]).tolist()
         send_splits, recv_splits, capacity = sizes[:P], sizes[P:2 * P], sizes[2 * P]
+        pair = plan.pairs(sum(send_splits))
+        token, slot = pair // plan.top_k, pair % plan.top_k
 
         H = x.shape[1]
-        recv_x = self._all_to_all(x[plan.token], sum(recv_splits), recv_splits, send_splits)
-        index = torch.stack([plan.token, plan.slot], dim=1)
-        recv_index = self._all_to_all(index, sum(recv_splits), recv_splits, send_splits)
+        recv_x = self._all_to_all(x[token], sum(recv_splits), recv_splits, send_splits)
+        recv_index = self._all_to_all(torch.stack([token, slot], dim=1), sum(recv_splits), recv_splits, send_splits)
 
-        expert, pos, src = expert_major_positions(recv_counts)
+        expert, pos, src = expert_major_positions(recv_counts, sum(recv_splits))
         E_local = self.experts_per_rank
         tokens = x.new_zeros(E_local, capacity, H)
         tokens[expert, pos] = recv_x
-        src_rank, src_token, src_slot = (
-            torch.full((E_local, capacity), -1, dtype=torch.int64, device=x.device) for _ in range(3)
-        )
-        src_rank[expert, pos] = src
-        src_token[expert, pos] = recv_index[:, 0]
-        src_slot[expert, pos] = recv_index[:, 1]
-        state = dict(plan=plan, expert=expert, pos=pos, send_splits=send_splits, recv_splits=recv_splits,
+        # Source rank, token and slot of every row, -1 on padding (one scatter for all three).
+        meta = torch.full((3, E_local, capacity), -1, dtype=torch.int64, device=x.device)
+        meta[:, expert, pos] = torch.cat([src.unsqueeze(0), recv_index.t()])
+        src_rank, src_token, src_slot = meta.unbind(0)
+        state = dict(pair=pair, top_k=plan.top_k, expert=expert, pos=pos, send_splits=send_splits, recv_splits=recv_splits,
                      topk_ids=topk_ids, topk_weights=topk_weights, num_tokens=x.shape[0])
         return Dispatched(tokens, counts, DispatchHandle(src_rank, src_token, src_slot, state))
 
@@ -86,12 +85,11 @@ class AllToAllDispatcher:
                 f"expert_out must be [E_local, capacity, H] = {tuple(dispatched.tokens.shape[:2])} + [H], "
                 f"got {tuple(expert_out.shape)}"
             )
-        plan: SendPlan = state["plan"]
         back = expert_out[state["expert"], state["pos"]]  # rows in the order they arrived
         returned = self._all_to_all(back, sum(state["send_splits"]), state["send_splits"], state["recv_splits"])
-        T, K, H = state["num_tokens"], plan.top_k, expert_out.shape[2]
+        T, K, H = state["num_tokens"], state["top_k"], expert_out.shape[2]
         slot_out = expert_out.new_zeros(T * K, H)
-        slot_out[plan.pair] = returned
+        slot_out[state["pair"]] = returned
         return weighted_slot_sum(slot_out.view(T, K, H), state["topk_ids"], state["topk_weights"], expert_out.dtype)
 
     # -- collectives (plain copies when there is a single rank) --------------------------------

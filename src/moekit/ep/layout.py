@@ -39,65 +39,60 @@ class ExpertPlacement:
 
 @dataclass
 class SendPlan:
-    """The valid (token, slot) pairs of this rank, sorted by destination.
+    """This rank's (token, slot) pairs sorted by destination, built without a host sync.
 
-    ``pair``: flat index t * K + k of each pair, in send order (destination rank, local
-    expert, token, slot). ``dest_expert``: destination-rank-major expert key
-    ``rank * E_local + local`` of each pair, same order. ``counts``: ``[P, E_local]`` pairs
-    per destination rank and expert.
+    ``order``: flat index t * K + k of *every* slot, valid ones first in send order
+    (destination rank, local expert, token, slot), masked slots (-1) after them.
+    ``counts``: ``[P, E_local]`` valid pairs per destination rank and expert. The number
+    of valid pairs lives on the device; ``pairs(n)`` cuts the order once the caller has
+    read it (the eager path reads it with its message sizes, in one host read).
     """
 
-    pair: torch.Tensor
-    dest_expert: torch.Tensor
+    order: torch.Tensor
     counts: torch.Tensor
     top_k: int
 
-    @property
-    def token(self) -> torch.Tensor:
-        return self.pair // self.top_k
-
-    @property
-    def slot(self) -> torch.Tensor:
-        return self.pair % self.top_k
+    def pairs(self, num_valid: int) -> torch.Tensor:
+        return self.order[:num_valid]
 
 
 def plan_send(topk_ids: torch.Tensor, placement: ExpertPlacement) -> SendPlan:
     """Sort this rank's (token, slot) pairs by (destination rank, local expert, token, slot).
 
     Since experts are placed contiguously, the global expert id *is* that key, and a stable
-    sort on it keeps (token, slot) order within each expert.
+    sort on it keeps (token, slot) order within each expert. Masked slots get key E so
+    they sort last; counting with scatter_add (not bincount/nonzero) avoids host syncs.
     """
-    K = topk_ids.shape[1]
+    E = placement.num_experts
     flat = topk_ids.reshape(-1).to(torch.int64)
-    pair = torch.nonzero(flat >= 0).flatten()  # ascending: (token, slot) order
-    experts = flat[pair]
-    order = torch.argsort(experts, stable=True)
-    pair, experts = pair[order], experts[order]
-    counts = torch.bincount(experts, minlength=placement.num_experts)
-    return SendPlan(pair=pair, dest_expert=experts,
-                    counts=counts.view(placement.world_size, placement.experts_per_rank), top_k=K)
+    key = torch.where(flat >= 0, flat, E)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    return SendPlan(order=order, counts=counts[:E].view(placement.world_size, placement.experts_per_rank),
+                    top_k=topk_ids.shape[1])
 
 
-def segment_offsets(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows laid out as consecutive segments of the given lengths: each row's segment
-    id and its offset inside the segment."""
+def segment_offsets(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``total`` rows laid out as consecutive segments of the given lengths: each row's
+    segment id and its offset inside the segment. ``total`` (= counts.sum(), known to the
+    caller) spares repeat_interleave a host sync."""
     flat = counts.reshape(-1)
-    seg = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat)
+    seg = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat, output_size=total)
     starts = torch.cumsum(flat, 0) - flat
-    offset = torch.arange(seg.numel(), device=flat.device) - starts[seg]
+    offset = torch.arange(total, device=flat.device) - starts[seg]
     return seg, offset
 
 
-def expert_major_positions(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_major_positions(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each received row goes in the expert-major layout.
 
     ``recv_counts[s, e]``: rows received from source rank s for local expert e; rows arrive
-    ordered by (source, expert). Returns, per row, its (local expert, position inside the
+    ordered by (source, expert); ``total`` is their number. Returns, per row, its (local expert, position inside the
     expert, source rank); inside an expert, rows are ordered by source rank, which keeps
     the canonical (source rank, token, slot) order.
     """
     P, E_local = recv_counts.shape
-    seg, offset = segment_offsets(recv_counts)
+    seg, offset = segment_offsets(recv_counts, total)
     src, expert = seg // E_local, seg % E_local
     # Start of source s inside expert e: rows of e from sources before s.
     src_start = torch.cumsum(recv_counts, 0) - recv_counts  # [P, E_local]
