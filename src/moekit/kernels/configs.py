@@ -1,0 +1,172 @@
+"""Tile configurations of the fused MoE kernel, and the space of valid ones for a model shape.
+
+A :class:`KernelConfig` fixes everything that is compiled into the kernel (tile sizes, warps,
+pipeline depth) and the two polymorphic modes the RaMP seed (002) dispatches at run time:
+GROUP_M swizzle and split-K, plus the execution form (``two_launch`` or ``fused``).
+
+:func:`config_space` enumerates the configurations that fit the hardware: their shared memory
+fits one block's limit and their fp32 accumulators fit a register heuristic. Which of the valid
+configurations is *fast* for a given routing is the selector's job (``moekit.ramp``), not this
+module's; :func:`default_config` is only a reasonable static pick.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.shapes import MoEShape
+
+FORMS = ("two_launch", "fused")
+TOKEN_BLOCKS = (16, 32, 64, 128)  # bm: the token rows one CTA takes from one expert
+
+# Tile families (bn, bk). bn tiles the output columns of each GEMM (N for GEMM1, H for
+# GEMM2); bk tiles the reduction (H for GEMM1, N for GEMM2). In the fused form bk also tiles
+# the H columns of the down-projection that each CTA accumulates (see fused_moe.py).
+TILE_FAMILIES = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64))
+PIPELINE_STAGES = (2, 3, 4)
+GROUP_M_CHOICES = (1, 8)  # 1 = no swizzle
+SPLIT_K_CHOICES = (1, 4)  # split of GEMM2's reduction, two_launch form only
+
+# Hopper (H100/H200): 228 KB shared memory per SM, of which one block may use 227 KB.
+HOPPER_SMEM_PER_BLOCK = 227 * 1024
+# Register heuristic: a thread has at most 255 registers; keep the fp32 accumulators of a CTA
+# within about half of them, so address arithmetic, the pipelined operands and the epilogue
+# fit without spilling to local memory.
+MAX_ACC_REGS_PER_THREAD = 128
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled variant of the fused MoE kernel (frozen, hashable: usable as a dict key).
+
+    bm: token block (rows of one expert per CTA). bn, bk: output and reduction tiles.
+    num_warps, num_stages: Triton launch/pipelining parameters. group_m: GROUP_M swizzle
+    (1 = off) of the (token block, column tile) grid so CTAs that share weight columns run
+    close together in time (L2 reuse). split_k: number of CTAs that share GEMM2's reduction
+    over N, accumulating with atomics (two_launch only; the fused form is already split over
+    N by construction). form: ``"two_launch"`` or ``"fused"``.
+    """
+
+    bm: int = 64
+    bn: int = 128
+    bk: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1
+    split_k: int = 1
+    form: str = "two_launch"
+
+    def __post_init__(self) -> None:
+        if self.bm not in TOKEN_BLOCKS:
+            raise ValueError(f"KernelConfig.bm must be one of {TOKEN_BLOCKS}, got {self.bm!r}")
+        for name in ("bn", "bk"):
+            v = getattr(self, name)
+            # tl.dot needs every dimension >= 16 and tl.arange needs powers of two.
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"KernelConfig.num_stages must be in [1, 8], got {self.num_stages!r}")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"KernelConfig.group_m must be an int >= 1 (1 = no swizzle), got {self.group_m!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"KernelConfig.split_k must be an int >= 1, got {self.split_k!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"KernelConfig.form must be one of {FORMS}, got {self.form!r}")
+        if self.form == "fused" and self.split_k != 1:
+            raise ValueError("KernelConfig.split_k must be 1 in the fused form (it is split over N already)")
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Estimated shared memory of the largest kernel of this config (bytes).
+
+        Triton keeps ``num_stages`` copies of every operand tile that a pipelined loop feeds
+        to ``tl.dot``. GEMM1 streams an activation tile [bm, bk] and two weight tiles (gate
+        and up) [bn, bk]; GEMM2 streams [bm, bk] and [bn, bk]. The fused form adds the
+        down-projection's weight tile [bk, bn] and its SwiGLU output [bm, bn] staged for the
+        second dot.
+        """
+        gemm1 = self.num_stages * (self.bm * self.bk + 2 * self.bn * self.bk) * elem_bytes
+        if self.form == "fused":
+            return gemm1 + (self.bk * self.bn + self.bm * self.bn) * elem_bytes * 2
+        gemm2 = self.num_stages * (self.bm * self.bk + self.bn * self.bk) * elem_bytes
+        return max(gemm1, gemm2)
+
+    def acc_regs_per_thread(self) -> int:
+        """fp32 accumulator registers per thread: gate + up [bm, bn] each, plus in the fused
+        form the down-projection partial [bm, bk]."""
+        acc = 2 * self.bm * self.bn + (self.bm * self.bk if self.form == "fused" else 0)
+        return acc // (32 * self.num_warps)
+
+    def fits(self, smem_limit: int = HOPPER_SMEM_PER_BLOCK, elem_bytes: int = 2) -> bool:
+        return (self.smem_bytes(elem_bytes) <= smem_limit
+                and self.acc_regs_per_thread() <= MAX_ACC_REGS_PER_THREAD)
+
+
+def _warps_for(bm: int, bn: int) -> int:
+    # One warpgroup (4 warps) for small tiles; two for the large ones so the accumulator
+    # per thread stays within the register budget.
+    return 8 if bm * bn >= 64 * 256 else 4
+
+
+def _smem_limit(device) -> int:
+    """The per-block shared-memory limit of ``device`` (Hopper's when it cannot be read)."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(dev)
+            limit = getattr(props, "shared_memory_per_block_optin", 0)
+            if limit:
+                return int(limit)
+    return HOPPER_SMEM_PER_BLOCK
+
+
+def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfloat16) -> list[KernelConfig]:
+    """All valid configurations for ``shape`` on ``device`` (None or CPU: assume H100/H200).
+
+    The product of token blocks x tile families x pipeline depths x GROUP_M x (two_launch with
+    each split-K | fused), keeping those whose shared memory fits one block and whose
+    accumulators pass the register heuristic. Tiles wider than the (power-of-two-rounded)
+    dimension they tile are dropped, since they only add masked work. The order is
+    deterministic.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    limit = _smem_limit(device)
+    H, N = shape.hidden, shape.intermediate
+    cap_n = max(64, _next_pow2(min(H, N)))  # bn tiles N (GEMM1) and H (GEMM2)
+    cap_k = max(64, _next_pow2(min(H, N)))  # bk tiles H (GEMM1) and N (GEMM2)
+    out = []
+    for bm, (bn, bk), stages, group_m in itertools.product(TOKEN_BLOCKS, TILE_FAMILIES, PIPELINE_STAGES,
+                                                           GROUP_M_CHOICES):
+        if bn > cap_n or bk > cap_k:
+            continue
+        variants = [("two_launch", s) for s in SPLIT_K_CHOICES] + [("fused", 1)]
+        for form, split_k in variants:
+            cfg = KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=_warps_for(bm, bn), num_stages=stages,
+                               group_m=group_m, split_k=split_k, form=form)
+            if cfg.fits(limit, elem):
+                out.append(cfg)
+    return out
+
+
+def default_config(M: int, shape: MoEShape) -> KernelConfig:
+    """A static pick from the batch size alone (what production systems do; RaMP does better).
+
+    Expected rows per active expert ~ M*K/E: use the smallest token block that is not mostly
+    padding, wide tiles for large batches, and split GEMM2's reduction at tiny batches where
+    the grid is far below one wave.
+    """
+    rows = max(1, M * shape.top_k // shape.num_experts)
+    bm = next((b for b in TOKEN_BLOCKS if b >= rows), TOKEN_BLOCKS[-1])
+    if M * shape.top_k <= 64:  # decode: a sub-wave grid, weights dominate
+        return KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch")
+    bn = 128 if bm >= 64 else 64
+    return KernelConfig(bm=bm, bn=bn, bk=64, num_warps=_warps_for(bm, bn), num_stages=3, group_m=8,
+                        form="two_launch")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
