@@ -35,17 +35,17 @@ def test_bad_world_size():
 
 def test_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import json, sys, torch, torch.distributed as dist
         from moekit.ep import launch
 
         def fn(rank, world_size):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t)
-            return {{"rank": rank, "sum": t.item()}}
+            return {"rank": rank, "sum": t.item()}
 
         (result,) = launch(fn, 2)
-        with open(sys.argv[1] + f"/rank{{result['rank']}}.json", "w") as f:
+        with open(sys.argv[1] + f"/rank{result['rank']}.json", "w") as f:
             json.dump(result, f)
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",

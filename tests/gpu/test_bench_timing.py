@@ -5,20 +5,17 @@ FLOOR_FLOPS_PER_S (about 6x an H200's measured rate), so a sample below
 flops / FLOOR_FLOPS_PER_S means the events missed the work.
 """
 
-import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from moekit.ep import launch
 from moekit.bench import (
     PhaseTimer,
     capture_graph,
@@ -172,48 +169,25 @@ def test_environment_names_the_gpus(tmp_path):
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _nccl_rank_main(rank: int, world_size: int) -> dict:
+    compute, _ = matmul_chain(8)
+    payload = torch.randn(1 << 20, device="cuda")
 
+    def fn():
+        if rank == 1:
+            compute()  # rank 1 is late to the all-reduce
+        dist.all_reduce(payload)
 
-def _nccl_rank_main(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD)
-    try:
-        compute, _ = matmul_chain(8)
-        payload = torch.randn(1 << 20, device="cuda")
-
-        def fn():
-            if rank == 1:
-                compute()  # rank 1 is late to the all-reduce
-            dist.all_reduce(payload)
-
-        times = time_distributed(fn, iters=10, warmup=3)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
-            json.dump({"max_us": times.max_us, "per_rank_us": times.per_rank_us}, file)
-    finally:
-        dist.destroy_process_group()
+    times = time_distributed(fn, iters=10, warmup=3)
+    return {"max_us": times.max_us, "per_rank_us": times.per_rank_us}
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < WORLD, reason="needs 2 GPUs"
 )
-def test_time_distributed_nccl(tmp_path):
-    context = mp.spawn(
-        _nccl_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False
-    )
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("NCCL ranks did not finish")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def test_time_distributed_nccl():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    results = launch(_nccl_rank_main, WORLD, backend="nccl")
     assert results[0] == results[1]
     per_rank = results[0]["per_rank_us"]
     assert results[0]["max_us"] == [max(column) for column in zip(*per_rank)]

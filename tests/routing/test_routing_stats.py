@@ -178,7 +178,7 @@ def small_trace():
 def test_trace_stats_match_independent_numpy(small_trace):
     trace, P = small_trace
     ids = trace.topk_ids
-    E, T = trace.num_experts, trace.num_tokens
+    E = trace.num_experts
     c = np.zeros(ids.shape[:2] + (P, P), dtype=np.int64)
     for s, layer in np.ndindex(*ids.shape[:2]):
         c[s, layer] = peer_counts_loop(ids[s, layer], E, P)

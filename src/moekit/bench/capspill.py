@@ -474,7 +474,7 @@ def format_capspill_bench(record: dict) -> str:
                                    "round_trip_mean"]),
         "seed (8x A100, P=8, not this machine):",
         format_table(SEED_TABLE1, ["method", "C", "mean", "median", "p95", "p99", "cuda_graph"]),
-        f"gap recovery (T_max - T_cs) / (T_max - T_eager), dispatch means: "
+        "gap recovery (T_max - T_cs) / (T_max - T_eager), dispatch means: "
         + ", ".join(f"{k}: {_pct(v)}" for k, v in r["gap_recovery"]["dispatch"].items())
         + "  (seed: 53.2% at q=0.99)",
         "",

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moekit.routing.stats import expert_counts  # [..., T, K] -> [..., E], -1 ignored
+
 from .padding import SCHEMES, max_load_bounds, padded_work
 
 # Keep any temporary [rows, E] float matrix under ~32 MB.
@@ -56,17 +58,6 @@ def as_topk_array(routing, num_experts: int | None = None) -> tuple[np.ndarray, 
         )
     t, k = ids.shape[-2:]
     return ids.reshape(-1, t, k).astype(np.int64, copy=False), int(num_experts)
-
-
-def expert_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """Tokens per expert N for each batch: ``[S, T, K] -> [S, E]`` (masked slots ignored)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    s = ids.shape[0]
-    flat = ids.reshape(s, -1)
-    valid = flat >= 0
-    # One bincount over all batches: offset batch b's ids by b*E.
-    keys = (flat + np.arange(s)[:, None] * num_experts)[valid]
-    return np.bincount(keys, minlength=s * num_experts).reshape(s, num_experts)
 
 
 def sample_routing(

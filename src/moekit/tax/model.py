@@ -470,7 +470,6 @@ class TaxModel:
         else:
             steps["ancillary"] = anc
             t_moe = float(np.mean(t_full)) + anc + ar
-        mean_total = float(total.mean())
         return dict(
             t_moe=t_moe, t_other_moe=t_other_dp if dp else t_other_tp, steps=steps,
             moe_mem=float(np.mean(mem[rows, worst])), moe_comp=float(np.mean(comp[rows, worst])),
