@@ -32,8 +32,6 @@ def _rank(rank, world_size):
     out["nccl a2a of the counts + host read"] = time_distributed(
         lambda: (dist.all_to_all_single(torch.empty_like(counts), counts), counts.tolist()), iters=300, warmup=30).max_us
     out["dispatch"] = time_distributed(lambda: d.dispatch(x, ids, w), iters=300, warmup=30).max_us
-    out["dispatch (check_ids=False)"] = time_distributed(
-        lambda: AllToAllDispatcher(s.num_experts, check_ids=False).dispatch(x, ids, w), iters=300, warmup=30).max_us
     dd = d.dispatch(x, ids, w)
     out["combine"] = time_distributed(lambda: d.combine(dd.tokens, dd), iters=300, warmup=30).max_us
     table = ""

@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--num-experts", type=int, default=None)
     bd.add_argument("--beta", type=float, default=1.0)
     bd.add_argument("--iters", type=int, default=1000)
-    bd.add_argument("--warmup", type=int, default=50)
+    bd.add_argument("--warmup", type=int, default=100)
     bd.add_argument("--seed", type=int, default=0)
-    bd.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
+    bd.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
     bd.add_argument("--out-dir", default="benchmarks/results")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=cmd_bench_dispatch)
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"moekit: error: {e}", file=sys.stderr)
+        return 2
+    except torch.multiprocessing.ProcessRaisedException as e:  # a rank failed: its last line
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        print(f"moekit: error in a rank: {last}", file=sys.stderr)
         return 2
 
 

@@ -93,8 +93,10 @@ def _sync(device: torch.device) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo and return its report as a dict (what ``--json`` prints)."""
-    if cfg.world_size < 1 or cfg.shape.num_experts % cfg.world_size:
-        raise ValueError(f"world_size must divide the {cfg.shape.num_experts} experts, got {cfg.world_size}")
+    cfg.shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
+    if cfg.steps < 1 or cfg.tokens_per_rank < 1:
+        raise ValueError(f"steps and tokens must be >= 1, got steps={cfg.steps}, tokens={cfg.tokens_per_rank}")
+    step_routing(cfg, 0)  # bad routing parameters (beta) raise here, not inside the ranks
     backend = default_backend(cfg.world_size)
     ranks = launch(_demo_rank, cfg.world_size, cfg, backend=backend)
     s, P = cfg.shape, cfg.world_size

@@ -58,10 +58,6 @@ class MoEShape:
             )
         return self.num_experts // world_size
 
-    def expert_params(self) -> int:
-        """Weights of one routed expert (w13 and w2)."""
-        return 3 * self.hidden * self.intermediate
-
     def scaled(self, **changes) -> "MoEShape":
         """A copy with some fields changed (e.g. a scaled-down shape for CPU runs)."""
         return replace(self, **changes)

@@ -52,3 +52,31 @@ def build_case(name: str, world_size: int, seed: int, *, dtype=torch.float32):
 
 
 CASES = ["uniform", "skewed", "rank0_only", "one_expert", "empty", "one_rank_empty", "k1", "masked"]
+
+
+def fake_expert_rows(rows: torch.Tensor, global_expert: int, first_row: int = 0) -> torch.Tensor:
+    """A stand-in expert whose output depends on the expert and the row's position, so a
+    combine that returns a row to the wrong (token, slot) cannot pass: f = x*(e+1) + j."""
+    j = torch.arange(first_row, first_row + rows.shape[0], dtype=torch.float32).unsqueeze(1)
+    return (rows.float() * float(global_expert + 1) + j).to(rows.dtype)
+
+
+def fake_experts(tokens: torch.Tensor, rank: int) -> torch.Tensor:
+    """``fake_expert_rows`` on a whole expert-major block [E_local, capacity, H] of ``rank``."""
+    E_local = tokens.shape[0]
+    return torch.stack([fake_expert_rows(tokens[e], rank * E_local + e) for e in range(E_local)])
+
+
+def expected_combine(xs, ids, ws, E, dtype):
+    """Per source rank: the combine of the fake experts, built from the loop reference."""
+    from moekit.ep.reference import expected_dispatch
+    from moekit.moe.reference import reference_slot_sum
+
+    P = len(xs)
+    slot_out = [torch.zeros(i.shape[0], i.shape[1], x.shape[1], dtype=dtype) for x, i in zip(xs, ids)]
+    for dest in range(P):
+        for e, rows in enumerate(expected_dispatch(xs, ids, E, dest)):
+            out = fake_expert_rows(rows["tokens"], dest * (E // P) + e)
+            for j in range(out.shape[0]):
+                slot_out[int(rows["src_rank"][j])][int(rows["src_token"][j]), int(rows["src_slot"][j])] = out[j]
+    return [reference_slot_sum(slot_out[r], ids[r], ws[r], dtype) for r in range(P)]

@@ -1,5 +1,5 @@
-"""AllToAllDispatcher on 2 and 4 gloo ranks: received rows, handle and the combine round trip
-are checked bitwise against single-process references."""
+"""AllToAllDispatcher on 2 and 4 gloo ranks: received rows, the handle, the identity round trip
+and a combine of position-dependent fake experts, all checked bitwise against loop references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from moekit.ep import AllToAllDispatcher, launch
 from moekit.ep.reference import expected_dispatch
 from moekit.moe.reference import reference_slot_sum
-from tests.ep.cases import CASES, build_case
+from tests.ep.cases import CASES, build_case, expected_combine, fake_experts
 
 SEEDS = (0, 1, 2)
 
@@ -21,8 +21,9 @@ def _dispatch_worker(rank, world_size, cases):
         d = AllToAllDispatcher(E)
         dispatched = d.dispatch(xs[rank], ids[rank], ws[rank])
         y = d.combine(dispatched.tokens.clone(), dispatched)  # identity experts
+        y_fake = d.combine(fake_experts(dispatched.tokens, rank), dispatched)
         h = dispatched.handle
-        out[(name, seed, str(dtype))] = dict(tokens=dispatched.tokens, counts=dispatched.counts,
+        out[(name, seed, str(dtype))] = dict(tokens=dispatched.tokens, counts=dispatched.counts, y_fake=y_fake,
                                              src_rank=h.src_rank, src_token=h.src_token, src_slot=h.src_slot, y=y)
     return out
 
@@ -30,6 +31,7 @@ def _dispatch_worker(rank, world_size, cases):
 def _check(world_size, results, cases):
     for name, seed, dtype in cases:
         xs, ids, ws, E = build_case(name, world_size, seed, dtype=dtype)
+        want_fake = expected_combine(xs, ids, ws, E, dtype)
         for rank in range(world_size):
             got = results[rank][(name, seed, str(dtype))]
             want = expected_dispatch(xs, ids, E, rank)
@@ -43,6 +45,7 @@ def _check(world_size, results, cases):
             T, K = ids[rank].shape
             slot_x = xs[rank].unsqueeze(1).expand(T, K, xs[rank].shape[1])
             assert torch.equal(got["y"], reference_slot_sum(slot_x, ids[rank], ws[rank], dtype)), (name, seed, rank)
+            assert torch.equal(got["y_fake"], want_fake[rank]), (name, seed, rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -57,15 +60,11 @@ def test_single_process_matches_reference():
     xs, ids, ws, E = build_case("skewed", 1, 3)
     d = AllToAllDispatcher(E)
     dispatched = d.dispatch(xs[0], ids[0], ws[0])
-    want = expected_dispatch(xs, ids, E, 0)
-    for e, exp in enumerate(want):
-        assert torch.equal(dispatched.valid_rows(e), exp["tokens"])
-    out = torch.randn_like(dispatched.tokens)
-    y = d.combine(out, dispatched)
-    T, K = ids[0].shape
-    slot_out = torch.zeros(T, K, out.shape[2])
     h = dispatched.handle
-    for e in range(out.shape[0]):
-        for j in range(int(dispatched.counts[e])):
-            slot_out[h.src_token[e, j], h.src_slot[e, j]] = out[e, j]
-    assert torch.equal(y, reference_slot_sum(slot_out, ids[0], ws[0], out.dtype))
+    for e, exp in enumerate(expected_dispatch(xs, ids, E, 0)):
+        n = int(dispatched.counts[e])
+        assert torch.equal(dispatched.valid_rows(e), exp["tokens"])
+        for key in ("src_rank", "src_token", "src_slot"):
+            assert torch.equal(getattr(h, key)[e, :n], exp[key])
+    y = d.combine(fake_experts(dispatched.tokens, 0), dispatched)
+    assert torch.equal(y, expected_combine(xs, ids, ws, E, torch.float32)[0])

@@ -20,15 +20,15 @@ def _inputs(T=5, H=8, K=2, E=4):
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda x, i, w: (x, torch.where(i == i.max(), torch.full_like(i, 4), i), w), "topk_ids"),
-        (lambda x, i, w: (x, torch.where(i == i.max(), torch.full_like(i, -2), i), w), "topk_ids"),
-        (lambda x, i, w: (x, i, w[:, :1]), "topk_weights"),
-        (lambda x, i, w: (x, i, w[:-1]), "topk_weights"),
+        (lambda x, i, w: (x, torch.where(i == i.max(), torch.full_like(i, 4), i), w), r"topk_ids must be in \[-1, 3\]"),
+        (lambda x, i, w: (x, torch.where(i == i.max(), torch.full_like(i, -2), i), w), r"topk_ids must be in \[-1, 3\]"),
+        (lambda x, i, w: (x, i, w[:, :1]), "topk_weights must have the shape"),
+        (lambda x, i, w: (x, i, w[:-1]), "topk_weights must have the shape"),
         (lambda x, i, w: (x.unsqueeze(0), i, w), "x must be a 2-D"),
         (lambda x, i, w: (x[0], i, w), "x must be a 2-D"),
         (lambda x, i, w: (x.to(torch.int32), i, w), "x must be a floating"),
         (lambda x, i, w: (x, i.float(), w), "topk_ids must be int"),
-        (lambda x, i, w: (x, i[:-1], w), "topk_ids"),
+        (lambda x, i, w: (x, i[:-1], w), r"topk_ids must be a 2-D tensor \[T=5, K\]"),
         (lambda x, i, w: (x, i, w.to(torch.int64)), "topk_weights must be floating"),
         (lambda x, i, w: (x, i.to("meta"), w), "topk_ids is on meta"),
         (lambda x, i, w: (x, i, w.to("meta")), "topk_weights is on meta"),
@@ -63,3 +63,35 @@ def test_combine_rejects_wrong_shape():
     dispatched = d.dispatch(x, ids, w)
     with pytest.raises(ValueError, match="expert_out"):
         d.combine(dispatched.tokens[:, :-1], dispatched)
+
+
+def _bad_input_worker(rank, world_size, problem):
+    g = torch.Generator().manual_seed(rank)
+    E, T = 8, 6
+    x = torch.randn(T + (problem == "tokens" and rank == 1), 16, generator=g)
+    ids = torch.rand(x.shape[0], E, generator=g).argsort(1)[:, :2]
+    if problem == "ids" and rank == 1:
+        ids[0, 1] = E  # one bad id, on one rank only
+    d = AllToAllDispatcher(E, max_tokens=T)
+    try:
+        d.dispatch(x, ids, torch.rand(ids.shape, generator=g))
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = None
+    # The group is still usable afterwards: nobody is stuck in a collective.
+    ok = d.dispatch(x[:T], ids[:T].clamp(max=E - 1), torch.rand(T, 2, generator=g))
+    return message, int(ok.counts.sum())
+
+
+@pytest.mark.parametrize("problem, match", [("ids", r"rank 1: topk_ids must be in \[-1, 7\]"),
+                                            ("tokens", r"rank 1: x has more tokens .* T in \[0, 6\]")])
+def test_bad_input_on_one_rank_raises_on_every_rank(problem, match):
+    import re
+
+    from moekit.ep import launch
+
+    results = launch(_bad_input_worker, 2, problem, backend="gloo")
+    for message, received in results:
+        assert message is not None and re.search(match, message), message
+        assert received > 0

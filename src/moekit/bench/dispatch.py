@@ -41,7 +41,7 @@ class DispatchBenchConfig:
     num_experts: int | None = None
     beta: float = 1.0
     iters: int = 1000
-    warmup: int = 50
+    warmup: int = 100
     pool: int = 16  # routings rotated through
     seed: int = 0
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
@@ -79,7 +79,9 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
         times = time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup)
         out[name] = times.max_us
     rows_sent = [sum(d.handle.state["send_splits"]) for d in dispatched]
+    rows_remote = [sum(d.handle.state["send_splits"]) - d.handle.state["send_splits"][rank] for d in dispatched]
     out["rows_sent_mean"] = sum(rows_sent) / len(rows_sent)
+    out["rows_remote_mean"] = sum(rows_remote) / len(rows_remote)
     out["bytes_per_row"] = shape.hidden * torch.empty((), dtype=dtype).element_size()
     out["device"] = str(device)
     out["dtype"] = str(dtype).removeprefix("torch.")
@@ -94,12 +96,19 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "bench
         raise ValueError("iters and pool must be >= 1, warmup and tokens_per_rank >= 0")
     shape = cfg.resolved_shape()
     shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
+    if not 0 < cfg.beta <= 1:
+        raise ValueError(f"beta must be in (0, 1], got {cfg.beta}")
+    if cfg.dtype not in (None, "bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
     backend = default_backend(cfg.world_size)
     ranks = launch(_bench_rank, cfg.world_size, cfg, backend=backend)
     first = ranks[0]
     results = {name: summarize(first[name]) for name in ("dispatch", "combine", "dispatch+combine")}
     results["rows_sent_per_rank_mean"] = sum(r["rows_sent_mean"] for r in ranks) / len(ranks)
     results["bytes_sent_per_rank_mean"] = results["rows_sent_per_rank_mean"] * first["bytes_per_row"]
+    # Rows a rank sends to itself never cross the link: the bytes that do are these.
+    results["bytes_to_other_ranks_mean"] = (sum(r["rows_remote_mean"] for r in ranks) / len(ranks)
+                                            * first["bytes_per_row"])
     params = asdict(cfg) | {"shape_resolved": asdict(shape), "backend": backend, "dtype": first["dtype"],
                             "timing": "slowest rank per iteration; ranks aligned before each iteration"}
     record = {"params": params, "results": results}
@@ -115,7 +124,8 @@ def format_dispatch_bench(record: dict) -> str:
             f"E={s['num_experts']} top-{s['top_k']} H={s['hidden']}, {p['tokens_per_rank']} tokens/rank, "
             f"{p['dtype']}, {p['iters']} iterations after {p['warmup']} warm-up\n"
             f"rows sent per rank (mean): {r['rows_sent_per_rank_mean']:.0f} "
-            f"({r['bytes_sent_per_rank_mean'] / 1e6:.2f} MB)\n")
+            f"({r['bytes_sent_per_rank_mean'] / 1e6:.2f} MB, of which "
+            f"{r.get('bytes_to_other_ranks_mean', float('nan')) / 1e6:.2f} MB to other ranks)\n")
     rows = [{"phase": k, **{c: r[k][c] for c in ("median", "p95", "p99", "mean", "min")}}
             for k in ("dispatch", "combine", "dispatch+combine")]
     table = format_table(rows, ["phase", "median", "p95", "p99", "mean", "min"])

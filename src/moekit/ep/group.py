@@ -4,8 +4,10 @@
 returns the per-rank results:
 
 * from a plain ``python`` process it spawns ``world_size`` local processes, with gloo on
-  CPU, or NCCL (one GPU per rank) when there are at least ``world_size`` GPUs; the
-  rendezvous is bound to 127.0.0.1 on a free port;
+  CPU, or NCCL (one GPU per rank) when there are at least ``world_size`` GPUs. The parent
+  hosts the rendezvous store on a socket it binds to 127.0.0.1 itself (so nothing listens
+  on other interfaces, and no port is picked and then lost to a race), and the ranks'
+  own sockets use the loopback interface;
 * under ``torchrun`` (RANK / WORLD_SIZE in the environment) every process calls
   ``launch`` itself: the group is initialized from the environment, ``fn`` runs once in
   this process, and the returned list holds only this rank's result.
@@ -36,11 +38,6 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def rank_device(backend: str, local_rank: int) -> torch.device:
-    """The device a rank's tensors live on for ``backend``."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOCALHOST, 0))
@@ -57,9 +54,21 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     backend = backend or default_backend(world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
-    context = mp.start_processes(_worker, args=(world_size, port, backend, timeout_s, fn, args, queue),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOCALHOST, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        # The store server runs in this process on the socket bound above; ranks connect to it.
+        store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout_s))
+        context = mp.start_processes(_worker, args=(world_size, port, backend, timeout_s, fn, args, queue),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        results = _collect(context, queue, world_size)
+    del store
+    return results
+
+
+def _collect(context, queue, world_size: int) -> list[Any]:
     # Drain the queue while the ranks run: a result larger than the pipe's buffer blocks
     # its sender until read, so joining first would deadlock.
     results: list[Any] = [None] * world_size
@@ -81,21 +90,27 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
             fn: Callable[..., Any], args: tuple, queue) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # rank-to-rank sockets stay on loopback
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
     else:
         # CPU ranks share the machine's cores: without a cap each would start one
         # intra-op thread per core and they would all fight over them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(backend, init_method=f"tcp://{LOCALHOST}:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = fn(rank, world_size, *args)
-        # Plain pickle copies tensors by value; torch's queue pickler would share memory
-        # that dies with this process.
-        queue.put((rank, pickle.dumps(result)))
-    finally:
-        dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device_id)
+    result = fn(rank, world_size, *args)
+    # Plain pickle copies tensors by value; torch's queue pickler would share memory
+    # that dies with this process.
+    queue.put((rank, pickle.dumps(result)))
+    # Only on success: after a failure, peers may be inside a collective and tearing the
+    # group down could block; the process exits and the parent reports the error.
+    dist.destroy_process_group()
 
 
 def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout_s: float) -> Any:

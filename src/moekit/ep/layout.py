@@ -42,14 +42,16 @@ class SendPlan:
     """This rank's (token, slot) pairs sorted by destination, built without a host sync.
 
     ``order``: flat index t * K + k of *every* slot, valid ones first in send order
-    (destination rank, local expert, token, slot), masked slots (-1) after them.
-    ``counts``: ``[P, E_local]`` valid pairs per destination rank and expert. The number
-    of valid pairs lives on the device; ``pairs(n)`` cuts the order once the caller has
-    read it (the eager path reads it with its message sizes, in one host read).
+    (destination rank, local expert, token, slot), masked slots (-1) and invalid ids after
+    them. ``counts``: ``[P, E_local]`` valid pairs per destination rank and expert.
+    ``invalid``: 0-d count of ids outside [-1, E). These live on the device; ``pairs(n)``
+    cuts the order once the caller has read the number of valid pairs (the eager path
+    reads it with its message sizes, in one host read).
     """
 
     order: torch.Tensor
     counts: torch.Tensor
+    invalid: torch.Tensor
     top_k: int
 
     def pairs(self, num_valid: int) -> torch.Tensor:
@@ -60,16 +62,17 @@ def plan_send(topk_ids: torch.Tensor, placement: ExpertPlacement) -> SendPlan:
     """Sort this rank's (token, slot) pairs by (destination rank, local expert, token, slot).
 
     Since experts are placed contiguously, the global expert id *is* that key, and a stable
-    sort on it keeps (token, slot) order within each expert. Masked slots get key E so
-    they sort last; counting with scatter_add (not bincount/nonzero) avoids host syncs.
+    sort on it keeps (token, slot) order within each expert. Masked slots get key E and ids
+    outside [-1, E) key E + 1, so both sort last and the invalid ones are counted, not
+    silently dropped; counting with scatter_add (not bincount/nonzero) avoids host syncs.
     """
     E = placement.num_experts
     flat = topk_ids.reshape(-1).to(torch.int64)
-    key = torch.where(flat >= 0, flat, E)
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.where(flat == -1, E, E + 1))
     order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = torch.zeros(E + 2, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
     return SendPlan(order=order, counts=counts[:E].view(placement.world_size, placement.experts_per_rank),
-                    top_k=topk_ids.shape[1])
+                    invalid=counts[E + 1], top_k=topk_ids.shape[1])
 
 
 def segment_offsets(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

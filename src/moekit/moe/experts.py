@@ -48,7 +48,8 @@ class MoEWeights:
             w = torch.randn(*size, generator=g, dtype=torch.float64) * fan_in**-0.5
             return w.to(device=device, dtype=dtype)
 
-        router = draw(E, H, fan_in=H).to(torch.float32)
+        # The router is float32 whatever ``dtype`` (routing must not depend on it).
+        router = (torch.randn(E, H, generator=g, dtype=torch.float64) * H**-0.5).to(device=device, dtype=torch.float32)
         w13, w2 = draw(E, 2 * N, H, fan_in=H), draw(E, H, N, fan_in=N)
         shared_w13 = shared_w2 = None
         if shape.num_shared_experts:
@@ -60,7 +61,7 @@ class MoEWeights:
         """A copy with the expert weights cast (the router stays float32 unless dtype is float64)."""
         def cast(t):
             return None if t is None else t.to(device=device, dtype=dtype)
-        router_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        router_dtype = torch.float64 if dtype == torch.float64 else (None if dtype is None else torch.float32)
         return MoEWeights(self.router.to(device=device, dtype=router_dtype), cast(self.w13),
                           cast(self.w2), cast(self.shared_w13), cast(self.shared_w2))
 

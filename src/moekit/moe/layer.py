@@ -17,14 +17,21 @@ class MoELayer(nn.Module):
 
     Holds the router (replicated), the experts this rank owns (contiguous placement:
     experts ``rank * E_local .. (rank + 1) * E_local - 1``) and the shared experts
-    (replicated). ``weights`` are the full block's weights, identical on every rank (build
+    (replicated). ``rank`` / ``world_size`` default to the dispatcher's. The output has
+    the dtype of the expert weights. ``weights`` are the full block's weights, identical on every rank (build
     them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to the eager
     all-to-all over the default process group (or a single process when there is none).
     """
 
     def __init__(self, shape: MoEShape, weights: MoEWeights, *, dispatcher: Dispatcher | None = None,
-                 rank: int = 0, world_size: int = 1, renormalize: bool = True):
+                 rank: int | None = None, world_size: int | None = None, renormalize: bool = True):
         super().__init__()
+        self.dispatcher = dispatcher or AllToAllDispatcher(shape.num_experts, hidden=shape.hidden,
+                                                           top_k=shape.top_k)
+        # Which experts this rank owns follows from the dispatcher's group; explicit values
+        # must agree with it (a mismatch would run the wrong experts on the received rows).
+        rank = _agree("rank", rank, getattr(self.dispatcher, "rank", None))
+        world_size = _agree("world_size", world_size, getattr(self.dispatcher, "world_size", None))
         E_local = shape.experts_per_rank(world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size - 1}], got {rank}")
@@ -33,10 +40,8 @@ class MoELayer(nn.Module):
                                  renormalize=renormalize, weight=weights.router, device=weights.w13.device)
         lo = rank * E_local
         self.experts = SwiGLUExperts(weights.w13[lo:lo + E_local].clone(), weights.w2[lo:lo + E_local].clone())
-        self.shared_w13 = weights.shared_w13
-        self.shared_w2 = weights.shared_w2
-        self.dispatcher = dispatcher or AllToAllDispatcher(shape.num_experts, hidden=shape.hidden,
-                                                           top_k=shape.top_k)
+        self.register_buffer("shared_w13", weights.shared_w13)
+        self.register_buffer("shared_w2", weights.shared_w2)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,3 +56,12 @@ class MoELayer(nn.Module):
         if self.shared_w13 is not None:
             y = y + expert_mlp(x, self.shared_w13, self.shared_w2).to(y.dtype)
         return y
+
+
+def _agree(name: str, given: int | None, from_dispatcher: int | None) -> int:
+    if given is not None and from_dispatcher is not None and given != from_dispatcher:
+        raise ValueError(f"{name}={given} disagrees with the dispatcher's {name}={from_dispatcher}")
+    for value in (given, from_dispatcher):
+        if value is not None:
+            return value
+    return 0 if name == "rank" else 1
