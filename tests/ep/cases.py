@@ -57,7 +57,7 @@ CASES = ["uniform", "skewed", "rank0_only", "one_expert", "empty", "one_rank_emp
 def fake_expert_rows(rows: torch.Tensor, global_expert: int, first_row: int = 0) -> torch.Tensor:
     """A stand-in expert whose output depends on the expert and the row's position, so a
     combine that returns a row to the wrong (token, slot) cannot pass: f = x*(e+1) + j."""
-    j = torch.arange(first_row, first_row + rows.shape[0], dtype=torch.float32).unsqueeze(1)
+    j = torch.arange(first_row, first_row + rows.shape[0], dtype=torch.float32, device=rows.device).unsqueeze(1)
     return (rows.float() * float(global_expert + 1) + j).to(rows.dtype)
 
 

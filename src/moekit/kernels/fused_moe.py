@@ -57,6 +57,9 @@ def _interpreting() -> bool:
 
 
 if HAVE_TRITON:
+    # H and N are tl.constexpr in every kernel: the K loops then have compile-time trip counts
+    # (Triton's interpreter cannot loop over a run-time scalar argument, and the compiler
+    # pipelines a constant-trip loop at least as well). One compile per model shape.
 
     @triton.jit
     def _block_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):

@@ -1,0 +1,142 @@
+"""fused_moe and fused_moe_expert_major against the float64 reference.
+
+On CPU this runs Triton's interpreter (TRITON_INTERPRET=1, set in tests/kernels/__init__.py),
+where tl.dot is exact for fp16/fp32 but garbage for bf16: bf16 is tested on the GPU only
+(tests/gpu/test_fused_moe_gpu.py). Shapes are tiny and deliberately not multiples of the tiles,
+so every mask is exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moekit.kernels import KernelConfig, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
+from moekit.moe.reference import reference_moe  # noqa: E402
+from moekit.routing.generate import synthetic_routing  # noqa: E402
+from moekit.shapes import MoEShape  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 1e-2, torch.float32: 1e-4}
+SHAPE = MoEShape("tiny", num_experts=4, top_k=2, hidden=48, intermediate=40)
+
+# A representative sample: each form, every bm, split-K on (even and uneven shares) and off,
+# GROUP_M on and off, tiles smaller and larger than H and N.
+CONFIGS = [
+    KernelConfig(bm=16, bn=32, bk=32, group_m=1, split_k=1, form="two_launch"),
+    KernelConfig(bm=32, bn=16, bk=64, group_m=4, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=32, bk=16, group_m=1, split_k=2, form="two_launch"),
+    KernelConfig(bm=64, bn=64, bk=16, group_m=8, split_k=4, form="two_launch"),
+    KernelConfig(bm=16, bn=32, bk=32, group_m=1, form="fused"),
+    KernelConfig(bm=32, bn=16, bk=16, group_m=4, form="fused"),
+    KernelConfig(bm=128, bn=64, bk=64, group_m=1, form="fused"),
+]
+FORMS = {"two_launch": CONFIGS[2], "fused": CONFIGS[5]}
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all()
+    return ((y.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def _case(M, seed, *, zipf=None, dtype=torch.float16):
+    w = MoEWeights.random(SHAPE, seed=seed, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(M, SHAPE.hidden, generator=g)
+    ids, tw = synthetic_routing(M, SHAPE.num_experts, SHAPE.top_k, zipf=zipf, seed=seed)
+    return x, w, ids, tw
+
+
+def _check(x, w, ids, tw, cfg, dtype):
+    # The reference sees the same rounded inputs as the kernel.
+    xd, w13, w2 = (t.to(dtype) for t in (x, w.w13, w.w2))
+    ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
+    y = fused_moe(xd.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg)
+    assert y.shape == x.shape and y.dtype == dtype
+    err = _rel_err(y, ref)
+    assert err < TOL[dtype], (cfg, dtype, err)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-g{c.group_m}-sk{c.split_k}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_configs_uniform_routing(cfg, dtype):
+    x, w, ids, tw = _case(13, seed=1)
+    _check(x, w, ids, tw, cfg, dtype)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_skewed_routing_with_empty_expert(form):
+    x, w, ids, tw = _case(19, seed=2, zipf=50.0)  # nearly all tokens on the 2 favourite experts
+    ids[ids == int(ids[0, 0])] = int(ids[0, 1])  # ... then empty one expert entirely
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 4, ids[:, 1])
+    used = set(ids.reshape(-1).tolist())
+    assert len(used) < SHAPE.num_experts
+    _check(x, w, ids, tw, FORMS[form], torch.float16)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_masked_slots(form):
+    x, w, ids, tw = _case(9, seed=3)
+    ids[0, 1] = -1
+    ids[4, 0] = -1
+    ids[7] = -1  # a token with no expert at all gives 0
+    _check(x, w, ids, tw, FORMS[form], torch.float32)
+    xd = x.to(DEVICE)
+    y = fused_moe(xd, w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), FORMS[form])
+    assert (y[7] == 0).all()
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_single_token(form, dtype):
+    x, w, ids, tw = _case(1, seed=4)
+    _check(x, w, ids, tw, FORMS[form], dtype)
+
+
+def test_int32_ids_and_default_config():
+    x, w, ids, tw = _case(6, seed=5)
+    _check(x, w, ids.to(torch.int32), tw, None, torch.float32)
+
+
+def test_zero_tokens():
+    w = MoEWeights.random(SHAPE, dtype=torch.float16)
+    x = torch.empty(0, SHAPE.hidden, dtype=torch.float16, device=DEVICE)
+    ids = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
+    y = fused_moe(x, w.w13.to(DEVICE), w.w2.to(DEVICE), ids, torch.empty(0, 2, device=DEVICE), CONFIGS[0])
+    assert y.shape == (0, SHAPE.hidden)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_expert_major(form, dtype):
+    E, cap, H, N = 3, 21, SHAPE.hidden, SHAPE.intermediate
+    w = MoEWeights.random(SHAPE.scaled(num_experts=E), seed=6, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randn(E, cap, H, generator=g).to(dtype)
+    counts = torch.tensor([5, 0, 21])
+    y = fused_moe_expert_major(tokens.to(DEVICE), counts.to(DEVICE), w.w13.to(DEVICE), w.w2.to(DEVICE), FORMS[form])
+    assert y.shape == (E, cap, H) and y.dtype == dtype
+    y = y.cpu()
+    for e in range(E):
+        n = int(counts[e])
+        if n:
+            ref = expert_mlp(tokens[e, :n].double(), w.w13[e].double(), w.w2[e].double())
+            assert _rel_err(y[e, :n], ref) < TOL[dtype]
+        assert (y[e, n:] == 0).all()  # padding rows are never written
+
+
+def test_bad_inputs():
+    w = MoEWeights.random(SHAPE, dtype=torch.float16)
+    x = torch.randn(4, SHAPE.hidden, dtype=torch.float16)
+    ids, tw = synthetic_routing(4, 4, 2)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, w.w13.float(), w.w2, ids, tw, CONFIGS[0])
+    with pytest.raises(ValueError, match="w13"):
+        fused_moe(x, w.w13[:, :, :8], w.w2, ids, tw, CONFIGS[0])
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_moe(x, w.w13, w.w2, ids, tw[:, :1], CONFIGS[0])
+    with pytest.raises(NotImplementedError, match="FP8"):
+        fused_moe(x, w.w13.to(torch.float8_e4m3fn), w.w2, ids, tw, CONFIGS[0])
