@@ -110,7 +110,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     queue.put((rank, pickle.dumps(result)))
     # Only on success: after a failure, peers may be inside a collective and tearing the
     # group down could block; the process exits and the parent reports the error.
-    dist.destroy_process_group()
+    _close_group()
 
 
 def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout_s: float) -> Any:
@@ -118,12 +118,22 @@ def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, t
     if env_world != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world}")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return fn(rank, world_size, *args)
+    result = fn(rank, world_size, *args)
+    if created:  # a group we made, we take down, all ranks together (see _close_group)
+        _close_group()
+    return result
+
+
+def _close_group() -> None:
+    """Barrier, then destroy: a gloo rank whose peer has already closed its sockets aborts."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def current_device() -> torch.device:
