@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
-from moekit.ep.layout import ExpertPlacement, expert_major_positions, plan_send
+from moekit.ep.layout import ExpertPlacement, PlacedExperts, expert_major_positions, plan_send
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(PlacedExperts):
     """Eager dispatcher: exact-size messages, expert-major output with dynamic capacity.
 
     ``capacity`` of the result is the largest number of rows any local expert received.
@@ -46,14 +46,6 @@ class AllToAllDispatcher:
         self.needs_cuda = distributed and "nccl" in str(dist.get_backend(group))
         self.placement = ExpertPlacement(num_experts, self.world_size)
         self.hidden, self.top_k, self.max_tokens = hidden, top_k, max_tokens
-
-    @property
-    def num_experts(self) -> int:
-        return self.placement.num_experts
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.placement.experts_per_rank
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
         validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden,

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from moekit.ep.capacity import expert_capacity, spill_capacity
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
-from moekit.ep.layout import ExpertPlacement
+from moekit.ep.layout import ExpertPlacement, PlacedExperts
 
 HEADER_BYTES = 16  # four int32 per row: local expert (-1 = empty), token, slot, sender's max count
 _EXPERT, _TOKEN, _SLOT, _MAX_COUNT = range(4)
@@ -109,7 +109,7 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cumsum(t, dim) - t
 
 
-class _FixedBufferDispatcher:
+class _FixedBufferDispatcher(PlacedExperts):
     """Shared machinery: plan, pack a range of stream positions, exchange, unpack, combine.
 
     Subclasses choose the first-pass rows (``capacity``) and the spill rows
@@ -130,14 +130,6 @@ class _FixedBufferDispatcher:
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         # Every row a pair can reach, over both passes, fits here (see capacity.py).
         self.expert_capacity = expert_capacity(self.world_size, max_tokens, top_k, capacity + spill_rows)
-
-    @property
-    def num_experts(self) -> int:
-        return self.placement.num_experts
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.placement.experts_per_rank
 
     # -- phases ------------------------------------------------------------------------
 

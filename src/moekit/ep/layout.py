@@ -37,6 +37,20 @@ class ExpertPlacement:
         return torch.remainder(experts, self.experts_per_rank)
 
 
+class PlacedExperts:
+    """For dispatchers holding a ``placement``: the expert counts they are asked for."""
+
+    placement: ExpertPlacement
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.placement.experts_per_rank
+
+
 @dataclass
 class SendPlan:
     """This rank's (token, slot) pairs sorted by destination, built without a host sync.
