@@ -6,9 +6,10 @@ from moekit.ep.capspill import CapacityOverflowError, CapAndSpillDispatcher, Max
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, Dispatcher, validate_routing, weighted_slot_sum
 from moekit.ep.group import current_device, default_backend, launch
 from moekit.ep.layout import ExpertPlacement
+from moekit.ep.lowlatency import EPLowLatencyAllToAll  # needs neither CUDA nor Triton to import
 
 __all__ = [
-    "AllToAllDispatcher", "CapAndSpillDispatcher", "CapacityOverflowError", "MaxCountsDispatcher",
+    "AllToAllDispatcher", "CapAndSpillDispatcher", "EPLowLatencyAllToAll", "CapacityOverflowError", "MaxCountsDispatcher",
     "calibrate_capacity", "max_counts_capacity", "Dispatched", "DispatchHandle", "Dispatcher", "ExpertPlacement",
     "current_device", "default_backend", "launch", "validate_routing", "weighted_slot_sum",
 ]

@@ -1,0 +1,575 @@
+"""`moekit bench lowlatency`: dispatch and combine latency of the low-latency layer (seed 004)
+against the eager all-to-all and torch's ``all_to_all_vdev_2d``, with the byte floor.
+
+What runs. For each tokens-per-rank T (default 1, 8, 32, 128, 256) every rank holds fixed
+input buffers ``x[T, H]``, ``topk_ids[T, K]``, ``topk_weights[T, K]`` and a bank of random
+routings (top-K of E without repeats, drawn per rank); before each iteration the next
+routing is written into the buffers, outside the timed region. Each iteration times,
+ranks aligned before it, dispatch and combine back to back (an event between them), so
+the two series and their sum come from the same iterations; the slowest rank's time per
+iteration is kept (a collective is done when its last rank is).
+
+* ``lowlatency`` — :class:`~moekit.ep.EPLowLatencyAllToAll` (``max_m`` = the largest T),
+  FP8 by default; on a GPU dispatch and combine are each captured once in a CUDA graph and
+  replayed (what a graph-captured serving step sees); with E = the shape's experts;
+* ``alltoall`` — :class:`~moekit.ep.AllToAllDispatcher`, eager (it syncs with the host and
+  cannot be captured), bf16, same E;
+* ``vdev2d`` — ``torch.ops.symm_mem.all_to_all_vdev_2d`` (NVSHMEM backend; it allows at most
+  16 experts per rank, so E = ``peer_experts``, default 32): dispatch = sort the (token,
+  slot) pairs by expert + the op; combine = ``all_to_all_vdev_2d_offset`` back + un-sort +
+  ``weighted_slot_sum``; bf16, eager; run in its own processes (it switches the symmetric
+  memory backend), skipped cleanly without CUDA or without the op. ``lowlatency@32`` is
+  the low-latency layer at the same E for the ratio.
+
+Byte floor. The bytes that must cross NVLink for each step's routing (the slowest rank;
+dispatch: one copy per (token, remote rank) of the FP8 payload + scales, plus the routing
+rows; combine: one bf16 row per remote slot; for vdev2d one bf16 row per remote slot both
+ways), divided by the peer bandwidth measured in this run (a large copy-engine copy
+GPU 0 -> GPU 1). Small messages are latency-bound, so the floor is far below the times.
+
+On the CPU (gloo) the same code runs eagerly at tiny sizes: the numbers only show that the
+pipeline works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moekit.bench.report import format_table, new_figure, save_figure, write_record
+from moekit.bench.stats import summarize
+from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
+from moekit.ep.dispatcher import weighted_slot_sum
+from moekit.shapes import get_shape
+
+METHODS = ("lowlatency", "alltoall", "vdev2d")
+SERIES = ("dispatch", "combine", "total")
+GOAL_US, GOAL_TOKENS = 30.0, 128  # issue 6: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
+
+
+@dataclass(frozen=True)
+class LowLatencyBenchConfig:
+    world_size: int = 2
+    shape: str = "deepseek-v3"
+    hidden: int | None = None  # default: the shape's
+    top_k: int | None = None
+    num_experts: int | None = None
+    peer_experts: int = 32  # E for the all_to_all_vdev_2d comparison (<= 16 per rank)
+    tokens: tuple[int, ...] = (1, 8, 32, 128, 256)
+    online_fp8: bool = True
+    methods: tuple[str, ...] = METHODS
+    iters: int = 1000
+    warmup: int = 50
+    routings: int = 32  # random routings cycled through
+    bandwidth_mb: int = 256  # size of the peer copy that measures the bandwidth
+    trace_dir: str | None = None  # write Perfetto traces of a profiled run here
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "iters", "routings", "bandwidth_mb", "peer_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        if not self.tokens or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in self.tokens):
+            raise ValueError(f"tokens must be ints >= 1, got {self.tokens!r}")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown or not self.methods:
+            raise ValueError(f"methods must be among {list(METHODS)}, got {list(self.methods)}")
+        get_shape(self.shape)  # raises for an unknown shape
+
+    @property
+    def max_m(self) -> int:
+        return max(self.tokens)
+
+    def resolved(self) -> tuple[int, int, int]:
+        """(hidden, top_k, num_experts)."""
+        s = get_shape(self.shape)
+        return self.hidden or s.hidden, self.top_k or s.top_k, self.num_experts or s.num_experts
+
+
+# ------------------------------------------------------------------------------ per rank
+
+
+class _Bank:
+    """Fixed input buffers and a bank of routings written into them before each iteration."""
+
+    def __init__(self, T: int, H: int, K: int, E: int, routings: int, seed: int, device, dtype=torch.bfloat16):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+        self.ids_bank = torch.rand(routings, T, E, generator=g).argsort(dim=2)[..., :K].to(device)
+        w = torch.rand(routings, T, K, generator=g) + 0.05
+        self.w_bank = (w / w.sum(-1, keepdim=True)).to(device)
+        self.ids = self.ids_bank[0].clone()
+        self.w = self.w_bank[0].clone()
+
+    def write(self, i: int) -> None:
+        self.ids.copy_(self.ids_bank[i % self.ids_bank.shape[0]])
+        self.w.copy_(self.w_bank[i % self.w_bank.shape[0]])
+
+
+def _aligner(on_cuda: bool):
+    if not on_cuda:
+        return dist.barrier
+    token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+
+    def align() -> None:  # every rank has joined, and this GPU is idle
+        dist.all_reduce(token)
+        torch.cuda.synchronize()
+
+    return align
+
+
+def _time_pair(dispatch_fn, combine_fn, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> dict[str, list]:
+    """Per iteration: write the next routing, align, time dispatch then combine (one event between)."""
+    align = _aligner(on_cuda)
+    marks = []
+    for i in range(warmup + iters):
+        bank.write(i)
+        align()
+        if on_cuda:
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            e[0].record()
+            dispatch_fn()
+            e[1].record()
+            combine_fn()
+            e[2].record()
+        else:
+            e = [time.perf_counter_ns()]
+            dispatch_fn()
+            e.append(time.perf_counter_ns())
+            combine_fn()
+            e.append(time.perf_counter_ns())
+        if i >= warmup:
+            marks.append(e)
+    if on_cuda:
+        torch.cuda.synchronize()
+        d = [a.elapsed_time(b) * 1e3 for a, b, _ in marks]
+        c = [b.elapsed_time(c_) * 1e3 for _, b, c_ in marks]
+    else:
+        d = [(b - a) / 1e3 for a, b, _ in marks]
+        c = [(c_ - b) / 1e3 for _, b, c_ in marks]
+    # the slowest rank per iteration
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    mine = torch.tensor([d, c], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    slowest = torch.stack(gathered).amax(0).cpu()
+    total = (torch.stack(gathered).sum(1)).amax(0).cpu()  # the slowest rank's dispatch + combine
+    return dict(dispatch=slowest[0].tolist(), combine=slowest[1].tolist(), total=total.tolist())
+
+
+def _graphed(fn, on_cuda: bool):
+    """A CUDA graph's replay on a GPU (captured now), ``fn`` itself on the CPU."""
+    if not on_cuda:
+        return fn
+    from moekit.bench.timing import capture_graph
+
+    graph = capture_graph(fn)
+    return graph.replay
+
+
+def _routing_bytes(ids: torch.Tensor, rank: int, E: int, P: int, dispatch_row: int, combine_row: int,
+                   dedup: bool) -> tuple[float, float]:
+    """Mean bytes this rank sends to other ranks per step (dispatch, combine) over the bank."""
+    owner = torch.div(ids, E // P, rounding_mode="floor")  # [R, T, K]
+    remote = owner != rank
+    if dedup:
+        hit = torch.zeros(*owner.shape[:2], P, dtype=torch.bool, device=ids.device).scatter_(2, owner, True)
+        hit[..., rank] = False
+        copies = hit.sum((1, 2)).double()
+    else:
+        copies = remote.sum((1, 2)).double()
+    slots = remote.sum((1, 2)).double()
+    return float((copies * dispatch_row).mean()), float((slots * combine_row).mean())
+
+
+def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer_e: bool) -> dict:
+    """lowlatency (E and, for the vdev2d ratio, peer E) and alltoall, every T."""
+    device = current_device()
+    on_cuda = device.type == "cuda"
+    H, K, E = cfg.resolved()
+    P = world_size
+    out: dict = {"samples": {}, "bytes": {}, "checks": {}}
+    layers = {}
+    if "lowlatency" in cfg.methods:
+        layers["lowlatency"] = E
+        if run_peer_e:
+            layers[f"lowlatency@{cfg.peer_experts}"] = cfg.peer_experts
+    for T in cfg.tokens:
+        for name, E_m in layers.items():
+            _progress(rank, f"{name} T={T}")
+            layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E_m, online_fp8=cfg.online_fp8, dtype=torch.bfloat16)
+            bank = _Bank(T, H, K, E_m, cfg.routings, cfg.seed * 1000 + rank, device)
+            expert_out = torch.randn(layer.experts_per_rank, layer.capacity, H, device=device).to(torch.bfloat16)
+            held = {}
+
+            def d(layer=layer, bank=bank, held=held):
+                held["d"] = layer.dispatch(bank.x, bank.ids, bank.w)
+
+            def c(layer=layer, expert_out=expert_out, held=held):
+                held["y"] = layer.combine(expert_out, held["d"])
+
+            d_run = _graphed(d, on_cuda)
+            d_run()  # the captured dispatch's outputs are real before combine is captured on them
+            c_run = _graphed(c, on_cuda)
+            out["samples"].setdefault(name, {})[T] = _time_pair(d_run, c_run, bank, cfg.iters, cfg.warmup, on_cuda)
+            token_bytes, row_bytes = layer.layout.token_bytes, layer.layout.combine_row_bytes
+            out["bytes"].setdefault(name, {})[T] = _routing_bytes(bank.ids_bank, rank, E_m, P,
+                                                                  token_bytes + K * 4, row_bytes, dedup=True)
+            if name == "lowlatency":
+                out["checks"][T] = _count_check(layer, bank, E_m)
+            layer.finalize()
+            del layer, expert_out, held
+        if "alltoall" in cfg.methods:
+            _progress(rank, f"alltoall T={T}")
+            eager = AllToAllDispatcher(E, hidden=H, top_k=K)
+            bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
+            held = {}
+
+            def d(eager=eager, bank=bank, held=held):
+                held["d"] = eager.dispatch(bank.x, bank.ids, bank.w)
+
+            def c(eager=eager, held=held):
+                held["y"] = eager.combine(held["d"].tokens, held["d"])  # identity experts
+
+            out["samples"].setdefault("alltoall", {})[T] = _time_pair(d, c, bank, cfg.iters, cfg.warmup, on_cuda)
+            out["bytes"].setdefault("alltoall", {})[T] = _routing_bytes(bank.ids_bank, rank, E, P, 2 * H, 2 * H,
+                                                                        dedup=False)
+    if cfg.trace_dir and "lowlatency" in cfg.methods:
+        out["traces"] = _profiled_run(rank, cfg, device, H, K, E)
+    out["device"] = str(device)
+    return out
+
+
+def _count_check(layer, bank: _Bank, E: int) -> bool:
+    """The layer's per-expert counts for the last routing equal a direct count (all ranks' ids)."""
+    d = layer.dispatch(bank.x, bank.ids, bank.w)
+    gathered = [torch.empty_like(bank.ids) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, bank.ids.contiguous())
+    want = torch.bincount(torch.cat(gathered).reshape(-1), minlength=E)
+    E_loc = layer.experts_per_rank
+    ok = torch.equal(d.counts.long(), want[layer.rank * E_loc:(layer.rank + 1) * E_loc])
+    layer.combine(torch.zeros(E_loc, layer.capacity, bank.x.shape[1], dtype=torch.bfloat16,
+                              device=bank.x.device), d)  # keep dispatch / combine paired
+    return bool(ok)
+
+
+def _profiled_run(rank: int, cfg: LowLatencyBenchConfig, device, H: int, K: int, E: int) -> list[str]:
+    """20 eager profiled steps at T = min(128, max_m); Perfetto traces into ``trace_dir``."""
+    T = min(GOAL_TOKENS, cfg.max_m)
+    layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E, online_fp8=cfg.online_fp8, dtype=torch.bfloat16, profile=True)
+    bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
+    expert_out = torch.randn(layer.experts_per_rank, layer.capacity, H, device=device).to(torch.bfloat16)
+    for i in range(20):
+        bank.write(i)
+        layer.combine(expert_out, layer.dispatch(bank.x, bank.ids, bank.w))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    paths = [str(layer.dump_dispatch_trace(Path(cfg.trace_dir) / f"ll_dispatch_RANK_{rank}.json")),
+             str(layer.dump_combine_trace(Path(cfg.trace_dir) / f"ll_combine_RANK_{rank}.json"))]
+    layer.finalize()
+    return paths
+
+
+def vdev2d_available() -> str | None:
+    """None if ``all_to_all_vdev_2d`` can run here, else why not."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return "needs 2 CUDA GPUs"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as error:
+        return f"no torch.distributed._symmetric_memory: {error}"
+    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
+        return "torch.ops.symm_mem.all_to_all_vdev_2d is missing in this torch"
+    if hasattr(symm_mem, "is_nvshmem_available") and not symm_mem.is_nvshmem_available():
+        return "NVSHMEM is not available"
+    return None
+
+
+def _bench_vdev2d(rank: int, world_size: int, cfg: LowLatencyBenchConfig) -> dict:
+    """``all_to_all_vdev_2d`` dispatch and ``all_to_all_vdev_2d_offset`` combine, eager, every T."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    device = current_device()
+    symm_mem.set_backend("NVSHMEM")
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
+    H, K, _ = cfg.resolved()
+    E, P = cfg.peer_experts, world_size
+    nsplits = E  # (destination rank, local expert), rank-major
+    max_in = cfg.max_m * K
+    max_out = max_in * P
+
+    def symm(shape, dtype):
+        t = symm_mem.empty(shape, dtype=dtype, device=device)
+        symm_mem.rendezvous(t, group=group_name)
+        return t
+
+    inp, back = symm((max_in, H), torch.bfloat16), symm((max_in, H), torch.bfloat16)
+    out = symm((max_out, H), torch.bfloat16)
+    in_splits = symm((nsplits,), torch.int64)
+    out_so, back_so = symm((2, nsplits), torch.int64), symm((2, nsplits), torch.int64)
+    dist.barrier()
+    result: dict = {"samples": {}, "bytes": {}, "checks": {}}
+    for T in cfg.tokens:
+        _progress(rank, f"vdev2d T={T}")
+        bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
+        held = {}
+
+        def d(bank=bank, held=held, T=T):
+            order = torch.argsort(bank.ids.reshape(-1), stable=True)  # by (rank, local expert): rank-major
+            held["order"] = order
+            in_splits.zero_().scatter_add_(0, bank.ids.reshape(-1), torch.ones_like(order))
+            torch.index_select(bank.x, 0, torch.div(order, K, rounding_mode="floor"), out=inp[:T * K])
+            torch.ops.symm_mem.all_to_all_vdev_2d(inp, out, in_splits, out_so, group_name)
+
+        def c(bank=bank, held=held, T=T):  # identity experts: send the received rows back
+            torch.ops.symm_mem.all_to_all_vdev_2d_offset(out, back, out_so, back_so, group_name)
+            slots = torch.empty(T * K, H, dtype=torch.bfloat16, device=device)
+            slots[held["order"]] = back[:T * K]
+            held["y"] = weighted_slot_sum(slots.view(T, K, H), bank.ids, bank.w, torch.bfloat16)
+
+        result["samples"][T] = _time_pair(d, c, bank, cfg.iters, cfg.warmup, True)
+        d()
+        c()
+        want = weighted_slot_sum(bank.x.unsqueeze(1).expand(T, K, H), bank.ids, bank.w, torch.bfloat16)
+        result["checks"][T] = bool(torch.equal(held["y"], want))
+        result["bytes"][T] = _routing_bytes(bank.ids_bank, rank, E, P, 2 * H, 2 * H, dedup=False)
+    dist.barrier()
+    return result
+
+
+def _progress(rank: int, what: str) -> None:
+    if rank == 0:
+        print(f"[bench lowlatency] {what}", flush=True)
+
+
+def measure_peer_bandwidth(mb: int) -> float | None:
+    """GB/s of a copy-engine copy GPU 0 -> GPU 1 (median of 10), None without 2 GPUs."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    n = mb * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+    times = []
+    with torch.cuda.device(0):
+        dst.copy_(src)
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return n / float(np.median(times)) / 1e9
+
+
+# --------------------------------------------------------------------------------- driver
+
+
+def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "benchmarks/results",
+                         figures: bool = True) -> dict:
+    """Run every method on ``cfg.world_size`` local ranks; write and return the record."""
+    H, K, E = cfg.resolved()
+    for name, value in (("num_experts", E), ("peer_experts", cfg.peer_experts)):
+        if value % cfg.world_size:
+            raise ValueError(f"{name}={value} must be a multiple of world_size={cfg.world_size}")
+    backend = default_backend(cfg.world_size)
+    bandwidth = measure_peer_bandwidth(cfg.bandwidth_mb) if backend == "nccl" else None
+    vdev2d_skip = None
+    if "vdev2d" in cfg.methods:
+        vdev2d_skip = vdev2d_available() if backend == "nccl" else "needs 2 CUDA GPUs (NCCL)"
+        if vdev2d_skip is None and cfg.peer_experts // cfg.world_size > 16:
+            vdev2d_skip = f"peer_experts / world_size = {cfg.peer_experts // cfg.world_size} > 16 experts per rank"
+    run_vdev2d = "vdev2d" in cfg.methods and vdev2d_skip is None
+    main = launch(_bench_main, cfg.world_size, cfg, run_vdev2d, backend=backend)
+    peer = launch(_bench_vdev2d, cfg.world_size, cfg, backend=backend) if run_vdev2d else None
+    results = _results(cfg, main, peer, bandwidth, E, vdev2d_skip)
+    params = asdict(cfg) | dict(
+        hidden=H, top_k=K, num_experts=E, max_m=cfg.max_m, backend=backend, device=main[0]["device"],
+        cuda_graphs=backend == "nccl", dtype="bfloat16", wire="fp8 e4m3 + float32 scales" if cfg.online_fp8 else
+        "bfloat16", timing="slowest rank per iteration; ranks aligned before each iteration; dispatch and combine "
+                           "timed back to back in one iteration; routing written outside the timed region",
+        peer_bandwidth_gbps=bandwidth)
+    record = {"params": params, "results": results}
+    if out_dir is not None:
+        path = write_record("lowlatency", params, results, out_dir=out_dir)
+        record["path"] = str(path)
+        if figures:
+            try:
+                record["figures"] = [str(draw_lowlatency_figure(record, path.with_suffix(".png")))]
+            except ImportError as error:  # matplotlib is optional
+                record["figures"] = f"not drawn: {error}"
+    return record
+
+
+def _results(cfg, main: list[dict], peer: list[dict] | None, bandwidth: float | None, E: int,
+             vdev2d_skip: str | None) -> dict:
+    samples = main[0]["samples"]
+    series: dict = {m: {str(T): {s: summarize(v[s]) for s in SERIES} for T, v in by_t.items()}
+                    for m, by_t in samples.items()}
+    byte_sources = {m: [r["bytes"][m] for r in main] for m in main[0]["bytes"]}
+    if peer is not None:
+        series["vdev2d"] = {str(T): {s: summarize(v[s]) for s in SERIES} for T, v in peer[0]["samples"].items()}
+        byte_sources["vdev2d"] = [r["bytes"] for r in peer]
+    floor = {}
+    for m, per_rank in byte_sources.items():
+        floor[m] = {}
+        for T in cfg.tokens:
+            d_bytes = max(b[T][0] for b in per_rank)  # the rank with the most to send bounds the step
+            c_bytes = max(b[T][1] for b in per_rank)
+            entry = dict(dispatch_bytes=d_bytes, combine_bytes=c_bytes)
+            if bandwidth:
+                entry |= dict(dispatch_us=d_bytes / (bandwidth * 1e3), combine_us=c_bytes / (bandwidth * 1e3),
+                              total_us=(d_bytes + c_bytes) / (bandwidth * 1e3))
+            floor[m][str(T)] = entry
+    ratios = {}
+    pairs = [("alltoall", "lowlatency"), ("vdev2d", f"lowlatency@{cfg.peer_experts}")]
+    for T in map(str, cfg.tokens):
+        ratios[T] = {f"{a}/{b}": series[a][T]["total"]["median"] / series[b][T]["total"]["median"]
+                     for a, b in pairs if a in series and b in series}
+    goal = None
+    if "lowlatency" in series and str(GOAL_TOKENS) in series["lowlatency"]:
+        median = series["lowlatency"][str(GOAL_TOKENS)]["total"]["median"]
+        goal = dict(tokens=GOAL_TOKENS, goal_us=GOAL_US, total_median_us=median, met=median <= GOAL_US)
+    checks = {"lowlatency_counts": {str(T): all(r["checks"][T] for r in main) for T in main[0]["checks"]}}
+    if peer is not None:
+        checks["vdev2d_identity_round_trip"] = {str(T): all(r["checks"][T] for r in peer) for T in peer[0]["checks"]}
+    traces = [p for r in main for p in r.get("traces", [])]
+    return dict(series=series, byte_floor=floor, ratios=ratios, goal=goal, checks=checks,
+                vdev2d=dict(ran=peer is not None, skipped=vdev2d_skip, experts=cfg.peer_experts),
+                peer_bandwidth_gbps=bandwidth, traces=traces)
+
+
+# -------------------------------------------------------------------------- text, figure
+
+
+def _rows(record: dict) -> list[dict]:
+    r = record["results"]
+    rows = []
+    for m, by_t in r["series"].items():
+        for T, s in by_t.items():
+            f = r["byte_floor"].get(m.split("@")[0] if m != "vdev2d" else m, {}).get(T, {})
+            if m.startswith("lowlatency@"):
+                f = {}
+            rows.append(dict(method=m, T=int(T), d_med=s["dispatch"]["median"], d_p95=s["dispatch"]["p95"],
+                             d_p99=s["dispatch"]["p99"], c_med=s["combine"]["median"], c_p95=s["combine"]["p95"],
+                             c_p99=s["combine"]["p99"], total_med=s["total"]["median"],
+                             floor_us=f.get("total_us"), kB=(f["dispatch_bytes"] + f["combine_bytes"]) / 1e3
+                             if f else None))
+    return rows
+
+
+def format_lowlatency_bench(record: dict) -> str:
+    p, r = record["params"], record["results"]
+    lines = [
+        f"Low-latency EP layer on {p['world_size']} ranks ({p['backend']}, {p['device']}, "
+        f"{'CUDA graphs' if p['cuda_graphs'] else 'eager, no CUDA graphs'}); {p['shape']}: H={p['hidden']} "
+        f"top-{p['top_k']} E={p['num_experts']}, max_m={p['max_m']}, wire {p['wire']}; "
+        f"{p['iters']} iterations per point (µs, slowest rank)",
+        format_table(_rows(record), ["method", "T", "d_med", "d_p95", "d_p99", "c_med", "c_p95", "c_p99",
+                                     "total_med", "floor_us", "kB"]),
+        "ratios (total medians): " + "; ".join(f"T={T}: " + ", ".join(f"{k} {v:.2f}x" for k, v in rs.items())
+                                             for T, rs in r["ratios"].items() if rs),
+        f"peer bandwidth: {r['peer_bandwidth_gbps']:.0f} GB/s" if r["peer_bandwidth_gbps"] else
+        "peer bandwidth: not measured (no 2 GPUs): no byte floor in µs",
+        "vdev2d: " + ("ran" if r["vdev2d"]["ran"] else f"skipped ({r['vdev2d']['skipped']})"),
+        "checks: " + ", ".join(f"{k} {'ok' if all(v.values()) else 'FAILED ' + str(v)}" for k, v in r["checks"].items()),
+    ]
+    if r["goal"]:
+        g = r["goal"]
+        lines.append(f"goal: dispatch + combine at {g['tokens']} tokens/rank = {g['total_median_us']:.1f} µs "
+                     f"(goal <= {g['goal_us']:.0f} µs on 2xH200): {'met' if g['met'] else 'not met'}")
+    if r["traces"]:
+        lines.append("traces: " + ", ".join(r["traces"]))
+    if "path" in record:
+        lines.append(f"record: {record['path']}")
+    if isinstance(record.get("figures"), list):
+        lines.append("figure: " + ", ".join(record["figures"]))
+    return "\n".join(lines)
+
+
+def draw_lowlatency_figure(record: dict, path: str | Path) -> Path:
+    """Median dispatch / combine latency against tokens per rank, one line per method, floor dashed."""
+    r = record["results"]
+    fig, axes = new_figure(1, 2, figsize=(11, 4))
+    for ax, s in zip(axes, ("dispatch", "combine")):
+        for m, by_t in r["series"].items():
+            Ts = sorted(int(t) for t in by_t)
+            ax.plot(Ts, [by_t[str(t)][s]["median"] for t in Ts], marker="o", label=m)
+        for m, by_t in r["byte_floor"].items():
+            Ts = sorted(int(t) for t in by_t)
+            if all(f"{s}_us" in by_t[str(t)] for t in Ts):
+                ax.plot(Ts, [by_t[str(t)][f"{s}_us"] for t in Ts], linestyle="--", label=f"byte floor ({m})")
+        ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="µs (median)", title=s)
+        ticks = sorted({int(t) for by_t in r["series"].values() for t in by_t})
+        ax.set_xticks(ticks, labels=[str(t) for t in ticks], minor=False)
+        ax.xaxis.set_minor_locator(matplotlib_null_locator())
+        ax.legend(fontsize=7)
+    p = record["params"]
+    fig.suptitle(f"{p['shape']} (H={p['hidden']}, top-{p['top_k']}, E={p['num_experts']}) on {p['world_size']} "
+                 f"ranks ({p['device']})")
+    return save_figure(fig, path)
+
+
+def matplotlib_null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moekit bench lowlatency", description=__doc__.split("\n")[0])
+    d = LowLatencyBenchConfig()
+    p.add_argument("--world-size", type=int, default=d.world_size)
+    p.add_argument("--shape", default=d.shape)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--peer-experts", type=int, default=d.peer_experts, help="E for the all_to_all_vdev_2d comparison")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(d.tokens), help="tokens per rank")
+    p.add_argument("--bf16-wire", action="store_true", help="send bf16 instead of online FP8")
+    p.add_argument("--methods", nargs="+", default=list(d.methods), choices=METHODS)
+    p.add_argument("--iters", type=int, default=d.iters)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--routings", type=int, default=d.routings)
+    p.add_argument("--bandwidth-mb", type=int, default=d.bandwidth_mb)
+    p.add_argument("--trace-dir", default=None, help="write Perfetto traces of a profiled run here")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--no-record", action="store_true")
+    return p
+
+
+def config_from_args(args) -> LowLatencyBenchConfig:
+    return LowLatencyBenchConfig(
+        world_size=args.world_size, shape=args.shape, hidden=args.hidden, top_k=args.top_k,
+        num_experts=args.num_experts, peer_experts=args.peer_experts, tokens=tuple(args.tokens),
+        online_fp8=not args.bf16_wire, methods=tuple(args.methods), iters=args.iters, warmup=args.warmup,
+        routings=args.routings, bandwidth_mb=args.bandwidth_mb, trace_dir=args.trace_dir, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    record = run_lowlatency_bench(config_from_args(args), out_dir=None if args.no_record else args.out_dir)
+    print(format_lowlatency_bench(record))
+    return 0 if all(all(v.values()) for v in record["results"]["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,375 @@
+"""``EPLowLatencyAllToAll``: the low-latency expert-parallel layer (seed 004, issue 6).
+
+Two APIs over one implementation:
+
+* the Dispatcher protocol of DESIGN.md — ``d = layer.dispatch(x, topk_ids, topk_weights)``
+  returns a :class:`LowLatencyDispatched` (a :class:`~moekit.ep.Dispatched`) and
+  ``layer.combine(expert_out, d)`` returns ``[T, H]``;
+* the seed's API — ``recv_token, recv_scale, counts, meta = layer.dispatch(x, topk_ids)``
+  (the result unpacks into those four) and
+  ``layer.combine(expert_out, topk_ids, topk_weights, meta, zero_copy=False)``.
+
+Each call validates its arguments on the host before anything is sent (T > max_m, shapes,
+dtypes, devices; expert ids outside [-1, E) only outside CUDA-graph capture, since reading
+them is a host sync: inside a capture, out-of-range ids are treated as masked and
+``state["invalid_ids"]`` says so). A rank that raises does so before any communication;
+its peers then wait for it, so validate routing identically on every rank.
+
+The transport moves the bytes: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` on CPU
+tensors, ``SymmMemTransport`` (``moekit.ep.lowlatency.cuda``, Triton over torch symmetric
+memory) on CUDA tensors with an NCCL group.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing
+from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta
+from moekit.ep.lowlatency.transport import (COMBINE_PHASES, DISPATCH_PHASES, END, POSTPROCESS, START, TOPK_REDUCE,
+                                            Transport, new_stamps)
+
+MAX_PROFILED_CALLS = 4096  # stamps kept per call type when profiling (the oldest are dropped)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s work is being recorded into a CUDA graph (no host reads allowed)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class LowLatencyHandle(DispatchHandle):
+    """The Dispatcher protocol's handle, backed by :class:`LowLatencyMeta`.
+
+    ``src_rank`` / ``src_token`` / ``src_slot`` are the meta's int32 tensors as int64 (the
+    protocol's dtype), converted when read, so dispatch pays nothing for them.
+    """
+
+    def __init__(self, meta: LowLatencyMeta, state: dict[str, Any]):  # noqa: D107 (no dataclass init)
+        self.meta = meta
+        self.state = state
+
+    @property
+    def src_rank(self) -> torch.Tensor:  # type: ignore[override]
+        return self.meta.src_rank.to(torch.int64)
+
+    @property
+    def src_token(self) -> torch.Tensor:  # type: ignore[override]
+        return self.meta.src_token.to(torch.int64)
+
+    @property
+    def src_slot(self) -> torch.Tensor:  # type: ignore[override]
+        return self.meta.src_slot.to(torch.int64)
+
+
+@dataclass
+class LowLatencyDispatched(Dispatched):
+    """A :class:`~moekit.ep.Dispatched` that also unpacks as the seed's 4-tuple:
+    ``recv_token, recv_scale, expert_recv_count, dispatch_meta = layer.dispatch(...)``.
+
+    ``counts`` is int32 (the meta's), ``scales`` None when ``online_fp8=False``.
+    """
+
+    meta: LowLatencyMeta | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.tokens, self.scales, self.counts, self.meta))
+
+
+class EPLowLatencyAllToAll:
+    """Low-latency dispatch/combine for expert parallelism with online FP8 (seed 004).
+
+    ``max_m``: most tokens per rank per call; ``hidden``, ``topk``, ``num_experts``: the
+    MoE shape (experts placed contiguously, ``E / world_size`` per rank); ``rank``,
+    ``world_size``, ``local_world_size`` default to the process group's (one node);
+    ``fp8_group_size``: columns per FP8 scale; ``dtype``: activations' dtype;
+    ``online_fp8``: tokens cross as e4m3 + float32 scales (else in ``dtype``, bitwise);
+    ``profile``: record per-phase timestamps for :meth:`dump_dispatch_trace` /
+    :meth:`dump_combine_trace`. ``group``/``device``/``transport`` pick the process group,
+    device and transport (default: the current device; symmetric memory on CUDA, gloo on CPU).
+
+    Results live in buffers the layer reuses: the tokens, scales, counts and meta of a
+    dispatch are valid until the next dispatch, and combine's output until the next
+    combine (the GPU transport writes them in place; copy what must live longer). Combine
+    each dispatch before the next dispatch.
+    """
+
+    def __init__(self, max_m: int, hidden: int, topk: int, num_experts: int, rank: int | None = None,
+                 world_size: int | None = None, local_world_size: int | None = None, fp8_group_size: int = 128,
+                 dtype: torch.dtype = torch.bfloat16, online_fp8: bool = True, profile: bool = False, *,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 transport: Transport | None = None):
+        distributed = dist.is_available() and dist.is_initialized()
+        group_rank = dist.get_rank(group) if distributed else 0
+        group_world = dist.get_world_size(group) if distributed else 1
+        rank = group_rank if rank is None else rank
+        world_size = group_world if world_size is None else world_size
+        if (rank, world_size) != (group_rank, group_world):
+            raise ValueError(f"rank={rank}, world_size={world_size} do not match the process group "
+                             f"(rank {group_rank} of {group_world})")
+        local_world_size = world_size if local_world_size is None else local_world_size
+        if not isinstance(profile, bool):
+            raise ValueError(f"profile must be a bool, got {profile!r}")
+        self.layout = LowLatencyLayout(max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, rank=rank,
+                                       world_size=world_size, local_world_size=local_world_size,
+                                       group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8)
+        self.group = group
+        self.device = torch.device(device) if device is not None else _default_device(group, distributed)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.transport = transport if transport is not None else make_transport(self.layout, group, self.device)
+        self.profile = profile
+        self._stamps: dict[str, collections.deque] = {
+            "dispatch": collections.deque(maxlen=MAX_PROFILED_CALLS),
+            "combine": collections.deque(maxlen=MAX_PROFILED_CALLS)}
+        self._closed = False
+
+    # -- sizes -----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.layout.experts_per_rank
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.capacity
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor | None = None) -> LowLatencyDispatched:
+        """Send each token once to every rank hosting one of its experts; fan it out there.
+
+        ``x [T, H]`` (``dtype``, T <= max_m), ``topk_ids [T, K]`` int32/int64 (-1 = masked
+        slot), ``topk_weights [T, K]`` (optional; kept for the protocol's combine).
+        Returns tokens ``[E_local, world * max_m, H]`` (FP8 e4m3 with ``scales``
+        ``[E_local, world * max_m, H / group]`` float32, or ``dtype``), ``counts [E_local]``
+        int32 and the meta combine needs. Rows past ``counts[e]`` are unspecified.
+        """
+        self._check_open()
+        L = self.layout
+        T = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+        K = topk_ids.shape[1] if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 else L.topk
+        weights = topk_weights
+        if weights is None:  # the protocol's checks want weights: an unread stand-in of the right shape
+            weights = torch.empty((), dtype=torch.float32, device=getattr(x, "device", None)).expand(T, K)
+        capturing = isinstance(x, torch.Tensor) and _capturing(x)
+        validate_routing(x, topk_ids, weights, L.num_experts, hidden=L.hidden, top_k=L.topk, max_tokens=L.max_m,
+                         check_ids=not capturing)
+        self._check_tensor("x", x, L.dtype)
+        ids = topk_ids.to(torch.int32)
+        invalid = None
+        if capturing:  # ids could not be checked: treat out-of-range ids as masked, and say so
+            bad = (ids < -1) | (ids >= L.num_experts)
+            ids = torch.where(bad, -1, ids)
+            invalid = bad.any()
+        ids = ids.contiguous()
+
+        stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
+        recv = self.transport.dispatch(x.contiguous(), ids, stamps)
+        self._stamp(stamps, POSTPROCESS, START)
+        meta = self.transport.postprocess(recv)
+        tokens, scales = self.transport.fan_out(recv, meta)
+        self._stamp(stamps, POSTPROCESS, END)
+        meta.num_dispatched = T
+        state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid)
+        return LowLatencyDispatched(tokens=tokens, counts=meta.counts, handle=LowLatencyHandle(meta, state),
+                                    scales=scales, meta=meta)
+
+    # -- combine ---------------------------------------------------------------------------
+
+    def combine(self, expert_out: torch.Tensor, topk_ids: torch.Tensor | Dispatched,
+                topk_weights: torch.Tensor | None = None, dispatch_meta: LowLatencyMeta | Dispatched | None = None,
+                zero_copy: bool = False) -> torch.Tensor:
+        """Send expert outputs back and sum each token's K slots: ``[T, H]`` in ``dtype``.
+
+        Either ``combine(expert_out, dispatched)`` (the Dispatcher protocol; routing as
+        given to dispatch) or ``combine(expert_out, topk_ids, topk_weights, dispatch_meta)``
+        (the seed's). ``expert_out [E_local, world * max_m, H]`` in ``dtype``; only its
+        valid rows are read. The slots are accumulated in float32 in slot order
+        (DESIGN.md), so the result is bitwise that of every other dispatcher.
+
+        ``zero_copy`` is accepted for the seed's API and changes nothing here: the seed
+        stages ``expert_out`` into a symmetric buffer first unless it is already there;
+        this layer's put step reads ``expert_out`` wherever it lives and writes straight
+        into the source rank's buffer, so there is no staging copy to skip.
+        """
+        self._check_open()
+        L = self.layout
+        if not isinstance(zero_copy, bool):
+            raise ValueError(f"zero_copy must be a bool, got {zero_copy!r}")
+        if isinstance(topk_ids, Dispatched):
+            if topk_weights is not None or dispatch_meta is not None:
+                raise ValueError("combine(expert_out, dispatched) takes the routing from dispatched; "
+                                 "pass either a Dispatched or (topk_ids, topk_weights, dispatch_meta)")
+            meta, state = _meta_of(topk_ids), topk_ids.handle.state
+            ids, weights = state["topk_ids"], state["topk_weights"]
+            if weights is None:
+                raise ValueError("topk_weights: dispatch was called without weights; pass them to combine as "
+                                 "combine(expert_out, topk_ids, topk_weights, dispatch_meta)")
+        else:
+            if dispatch_meta is None:
+                raise ValueError("dispatch_meta is required with combine(expert_out, topk_ids, topk_weights, "
+                                 "dispatch_meta)")
+            meta, ids, weights = _meta_of(dispatch_meta), topk_ids, topk_weights
+        self._check_combine_args(expert_out, ids, weights, meta)
+        if _capturing(expert_out):  # mask what dispatch masked, without reading ids on the host
+            ids = torch.where((ids < -1) | (ids >= L.num_experts), -1, ids)
+
+        stamps = self._new_stamps("combine", len(COMBINE_PHASES))
+        slot_rows = self.transport.combine(expert_out.contiguous(), meta, stamps)
+        self._stamp(stamps, TOPK_REDUCE, START)
+        y = self.transport.topk_reduce(slot_rows, ids, weights, L.dtype)
+        self._stamp(stamps, TOPK_REDUCE, END)
+        return y
+
+    # -- lifetime, traces ------------------------------------------------------------------
+
+    def finalize(self) -> None:
+        """Release the transport's buffers (symmetric memory on the GPU). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    def __enter__(self) -> "EPLowLatencyAllToAll":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finalize()
+
+    def dump_dispatch_trace(self, path: str | Path | None = None) -> Path:
+        """Write the dispatch phases of every profiled call as Chrome/Perfetto trace JSON.
+
+        Default path: ``prof/ll_dispatch_RANK_{rank}.json`` (the seed's). Reads the stamps
+        back to the host: call it after the work, e.g. after a barrier.
+        """
+        return self._dump("dispatch", DISPATCH_PHASES, path)
+
+    def dump_combine_trace(self, path: str | Path | None = None) -> Path:
+        """Like :meth:`dump_dispatch_trace` for combine (``prof/ll_combine_RANK_{rank}.json``)."""
+        return self._dump("combine", COMBINE_PHASES, path)
+
+    def _dump(self, call: str, phases: tuple[str, ...], path: str | Path | None) -> Path:
+        from moekit.bench.perfetto import phase_events, trace_document, write_trace
+
+        if not self.profile:
+            raise RuntimeError(f"nothing to dump: this layer was made with profile=False; "
+                               f"pass profile=True to record {call} phases")
+        path = Path(path) if path is not None else Path("prof") / f"ll_{call}_RANK_{self.rank}.json"
+        stamps = [s.cpu() for s in self._stamps[call]]
+        tid = 0 if call == "dispatch" else 1
+        events = phase_events(stamps, phases, pid=self.rank, tid=tid, thread_name=call,
+                              process_name=f"rank {self.rank}")
+        clock = "cpu perf_counter_ns" if self.device.type == "cpu" else "gpu globaltimer"
+        return write_trace(path, trace_document(events, metadata=dict(
+            call=call, rank=self.rank, world_size=self.world_size, calls=len(stamps), clock=clock,
+            max_m=self.layout.max_m, hidden=self.layout.hidden, topk=self.layout.topk,
+            num_experts=self.layout.num_experts, online_fp8=self.layout.online_fp8)))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _new_stamps(self, call: str, num_phases: int) -> torch.Tensor | None:
+        if not self.profile:
+            return None
+        stamps = new_stamps(num_phases, self.device)
+        self._stamps[call].append(stamps)
+        return stamps
+
+    def _stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
+        """Stamp a phase the layer runs (postprocess, topk_reduce) unless the transport stamps it.
+
+        A transport whose kernels do that work stamp it themselves (min start / max end over
+        their programs) and say so with ``stamps_layer_phases = True``. Otherwise the stamp is
+        merged, not stored: the earliest start and the latest end win, and -1 means unset,
+        so a transport that fills the phase without saying so keeps its kernel's start.
+        """
+        if stamps is None or getattr(self.transport, "stamps_layer_phases", False):
+            return
+        now = new_stamps(1, stamps.device)
+        self.transport.stamp(now, 0, which)
+        t, current = now[0, which], stamps[index, which]
+        if which == START:
+            stamps[index, which] = torch.where(current < 0, t, torch.minimum(current, t))
+        else:
+            stamps[index, which] = torch.maximum(current, t)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this EPLowLatencyAllToAll was finalized; make a new one")
+
+    def _check_tensor(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must have dtype {dtype} (the layer's dtype), got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, but this layer's buffers are on {self.device}")
+
+    def _check_combine_args(self, expert_out, ids, weights, meta: LowLatencyMeta) -> None:
+        L = self.layout
+        want = (L.experts_per_rank, L.capacity, L.hidden)
+        if not isinstance(expert_out, torch.Tensor) or tuple(expert_out.shape) != want:
+            raise ValueError(f"expert_out must be [E_local, world * max_m, H] = {list(want)}, got "
+                             f"{tuple(expert_out.shape) if isinstance(expert_out, torch.Tensor) else type(expert_out)}")
+        self._check_tensor("expert_out", expert_out, L.dtype)
+        T = meta.num_dispatched
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or tuple(ids.shape) != (T, L.topk):
+            raise ValueError(f"topk_ids must be [T, K] = [{T}, {L.topk}] as in the dispatch, got "
+                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids must be int32 or int64, got dtype {ids.dtype}")
+        if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (T, L.topk) \
+                or not weights.is_floating_point():
+            raise ValueError(f"topk_weights must be a floating-point tensor [T, K] = [{T}, {L.topk}], got "
+                             f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
+        for name, t in (("topk_ids", ids), ("topk_weights", weights)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, but this layer's buffers are on {self.device}")
+
+
+def _meta_of(obj: LowLatencyMeta | Dispatched) -> LowLatencyMeta:
+    if isinstance(obj, LowLatencyDispatched) and obj.meta is not None:
+        return obj.meta
+    if isinstance(obj, LowLatencyMeta):
+        return obj
+    raise ValueError(f"dispatch_meta must be the LowLatencyMeta (or the result) of this layer's dispatch, "
+                     f"got {type(obj).__name__}")
+
+
+def _default_device(group, distributed: bool) -> torch.device:
+    if distributed and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_transport(layout: LowLatencyLayout, group, device: torch.device) -> Transport:
+    """Symmetric memory (Triton) for CUDA devices, gloo collectives for the CPU."""
+    if device.type == "cuda":
+        try:
+            from moekit.ep.lowlatency.cuda import SymmMemTransport
+        except ModuleNotFoundError as error:
+            if error.name != "moekit.ep.lowlatency.cuda":
+                raise
+            raise RuntimeError("the GPU transport (moekit.ep.lowlatency.cuda) is not available in this "
+                               "checkout; use CPU tensors (gloo) instead") from error
+        return SymmMemTransport(layout, group, device)
+    if device.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+    from moekit.ep.lowlatency.gloo import GlooTransport
+
+    return GlooTransport(layout, group, device)

@@ -1,0 +1,572 @@
+"""The GPU transport of the low-latency layer: Triton kernels over torch symmetric memory.
+
+Every rank allocates one symmetric buffer (``torch.distributed._symmetric_memory``, CUDA
+backend: peer pointers over NVLink) holding, for each of two phases, the receive regions of
+the layout (:mod:`moekit.ep.lowlatency.layout`) and the combine slot rows, plus arrival
+counters. Kernels store straight into the peers' regions; no host sync, no NCCL, so a whole
+dispatch + combine can be captured in one CUDA graph and replayed.
+
+Four kernels per step:
+
+* dispatch ``_put_tokens`` (one program per token stride): quantize the token to e4m3 with
+  one float32 scale per 128 columns (when ``online_fp8``), store it ONCE into every rank that
+  hosts one of its experts, its ``topk_ids`` row into every rank, T into every rank
+  (quant_and_put); then add 1 to the arrival counter of this source on every rank
+  (count_put, release at system scope).
+* dispatch ``_recv_tokens`` (one program per local expert x row chunk): wait until every
+  source's counter reached this step's value (wait), then build the expert-major meta from
+  the received ids with a cumsum and copy the chunk's rows out of the receive buffer (the
+  fan-out; postprocess). All programs compute the same prefix sums for their expert; each
+  writes only its own rows, so no two programs write one address.
+* combine ``_put_outputs`` (persistent programs over the valid rows): store each expert
+  output row into its source rank's slot rows ``[token, k]`` for every slot it serves
+  (copy_and_put), then count arrival on every rank.
+* combine ``_reduce_slots`` (one program per token x column block): wait (recv_wait), then
+  the K-slot float32 sum in slot order, compiled without FMA contraction so it is bitwise
+  equal to :func:`moekit.ep.dispatcher.weighted_slot_sum` (topk_reduce).
+
+Double buffering and signals. A step's phase is ``epoch & 1`` where ``epoch`` lives on the
+device (one for dispatch, one for combine) and is advanced by the last program of the
+step's receive kernel (a ticket counter tells which program is last, after every program
+has read the epoch). A sender may run at most one step ahead of a receiver (it cannot
+finish step n+1 before the receiver has sent its step n+1 data, which the receiver does
+only after it finished reading step n), so two phases are enough. The counters are int64
+and only grow: the receiver of use u of a phase waits for ``u * programs``, a value no
+earlier step can reach, so a stale signal can never match, and replaying a captured graph
+keeps working because nothing is frozen on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, topk_reduce
+from moekit.ep.lowlatency.transport import (COPY_AND_PUT, COUNT_PUT, POSTPROCESS, QUANT_AND_PUT, RECV_WAIT,
+                                            TOPK_REDUCE, WAIT)
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+MAX_PEERS = 8  # peer base pointers are kernel arguments P0..P7 (ranks of one NVLink domain)
+_ALIGN = 256
+# state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
+# program of the receive/reduce kernels (2, 3) and of the put kernels (4, 5)
+_STATE_SIZE = 6
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _round_up(n: int, m: int = _ALIGN) -> int:
+    return -(-n // m) * m
+
+
+@triton.jit
+def _peer(d: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7):
+    """Base pointer (uint8) of rank d's symmetric buffer; d is a compile-time constant."""
+    p = P0
+    if d == 1:
+        p = P1
+    if d == 2:
+        p = P2
+    if d == 3:
+        p = P3
+    if d == 4:
+        p = P4
+    if d == 5:
+        p = P5
+    if d == 6:
+        p = P6
+    if d == 7:
+        p = P7
+    return p
+
+
+@triton.jit
+def _fence_system():
+    """fence.acq_rel.sys in every thread: this thread's stores are ordered before what follows
+    for observers on other GPUs (the usual threadfence_system before raising a flag)."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _region(base, offset, phase, phase_bytes, dtype: tl.constexpr):
+    """Typed pointer to one phase of a region of a symmetric buffer. Every region starts at a
+    multiple of 256 bytes; saying so lets the compiler emit 16-byte vector accesses (a cast
+    pointer otherwise counts as 1-byte aligned)."""
+    return tl.multiple_of((base + offset + phase * phase_bytes).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _wait_at_least(ptr, expected):
+    """Spin until the int64 at ptr (raised by peers) is >= expected, with acquire semantics."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    while v < expected:
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _stamp_range(stamps_ptr, index, t0, t1):
+    tl.atomic_min(stamps_ptr + 2 * index, t0)
+    tl.atomic_max(stamps_ptr + 2 * index + 1, t1)
+
+
+@triton.jit
+def _stamp_now(stamps_ptr, index):
+    tl.store(stamps_ptr + index, globaltimer())
+
+
+@triton.jit
+def _last_program_advances(state_ptr, epoch, EPOCH: tl.constexpr, TICKET: tl.constexpr, NPROG):
+    """The last program of the grid (by ticket) advances the epoch and resets the ticket."""
+    ticket = tl.atomic_add(state_ptr + TICKET, 1, sem="acq_rel", scope="gpu")
+    if ticket == NPROG - 1:
+        tl.store(state_ptr + TICKET, 0)
+        tl.store(state_ptr + EPOCH, epoch + 1)
+
+
+@triton.jit
+def _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7,
+                    TICKET: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, NPROG):
+    """Called by every program after its stores: the last one to finish raises this source's
+    arrival counter on every rank, once.
+
+    Each thread fences its own stores at system scope; the CTA barrier and the gpu-scope
+    acq_rel ticket put every program's stores before the last program's release at system
+    scope, which is what the receiver's acquire pairs with (one remote atomic per peer per
+    step: many programs hitting one remote address serialize over NVLink)."""
+    _fence_system()
+    tl.debug_barrier()
+    ticket = tl.atomic_add(state_ptr + TICKET, 1, sem="acq_rel", scope="gpu")
+    if ticket == NPROG - 1:
+        tl.store(state_ptr + TICKET, 0)
+        for d in tl.static_range(W):
+            base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
+            cnt = (base + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W + RANK
+            tl.atomic_add(cnt, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _put_tokens(x_ptr, ids_ptr, T, state_ptr, stamps_ptr,
+                P0, P1, P2, P3, P4, P5, P6, P7,
+                OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+                K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
+                G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                QUANT: tl.constexpr, PROFILE: tl.constexpr, NPROG: tl.constexpr):
+    pid = tl.program_id(0)
+    if PROFILE:
+        t0 = globaltimer()
+    phase = tl.load(state_ptr + 0) & 1
+    ks = tl.arange(0, KP)
+    k_ok = ks < K
+    if QUANT:
+        grp = tl.arange(0, NGP)
+        offs = grp[:, None] * G + tl.arange(0, G)[None, :]  # [NGP, G]: group g, column c
+        x_ok = (grp < NG)[:, None] & (tl.arange(0, G) < G)[None, :]
+    else:
+        offs = tl.arange(0, HP)
+        x_ok = offs < H
+    for t in range(pid, T, NPROG):
+        ids = tl.load(ids_ptr + t * K + ks, mask=k_ok, other=-1)
+        row = (RANK * M + t).to(tl.int64)
+        if QUANT:
+            xv = tl.load(x_ptr + t.to(tl.int64) * H + offs, mask=x_ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-4)
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            q = tl.math.div_rn(xv, scale[:, None])
+            payload = tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv)
+        else:
+            payload = tl.load(x_ptr + t.to(tl.int64) * H + offs, mask=x_ok)
+        for d in tl.static_range(W):
+            base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
+            i_dst = _region(base, OFF_I, phase, I_PHASE, tl.int32)
+            tl.store(i_dst + row * K + ks, ids, mask=k_ok)
+            hits = tl.sum(((ids >= d * EL) & (ids < (d + 1) * EL)).to(tl.int32), axis=0)
+            if hits > 0:
+                x_dst = _region(base, OFF_X, phase, X_PHASE, payload.dtype)
+                tl.store(x_dst + row * H + offs, payload, mask=x_ok)
+                if QUANT:
+                    s_dst = _region(base, OFF_S, phase, S_PHASE, tl.float32)
+                    tl.store(s_dst + row * NG + grp, scale, mask=grp < NG)
+    if pid == 0:
+        for d in tl.static_range(W):
+            base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
+            t_dst = _region(base, OFF_T, phase, T_PHASE, tl.int32)
+            tl.store(t_dst + RANK, T)
+    if PROFILE:
+        t1 = globaltimer()
+        _stamp_range(stamps_ptr, 0, t0, t1)
+    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 4, RANK, W, NPROG)
+    if PROFILE:
+        _stamp_range(stamps_ptr, 1, t1, globaltimer())
+
+
+@triton.jit
+def _recv_tokens(own_ptr, state_ptr, stamps_ptr, tok_ptr, tsc_ptr,
+                 counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr, range_ptr, row_index_ptr,
+                 num_tokens_ptr, slot_row_ptr,
+                 OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                 QUANT: tl.constexpr, ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr,
+                 PROFILE: tl.constexpr):
+    """One program per local expert e: wait, number e's rows in (source, token) order with a
+    cumsum over the received ids, write the meta (scattered to the rows' places, padding rows
+    -1), then copy e's rows out of the receive buffer (the fan-out)."""
+    e = tl.program_id(0)
+    CAP: tl.constexpr = W * M
+    epoch = tl.load(state_ptr + 0)
+    phase = epoch & 1
+    if PROFILE:
+        t0 = globaltimer()
+    cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
+    for s in tl.static_range(W):
+        _wait_at_least(cnt + s, (epoch >> 1) + 1)
+    if PROFILE:
+        t1 = globaltimer()
+
+    ids_base = _region(own_ptr, OFF_I, phase, I_PHASE, tl.int32)
+    t_base = _region(own_ptr, OFF_T, phase, T_PHASE, tl.int32)
+    my_expert = RANK * EL + e
+    tt = tl.arange(0, MP)
+    ks = tl.arange(0, KP)
+    row0 = e * CAP
+    base = 0
+    for s in tl.static_range(W):
+        n_tok = tl.load(t_base + s)
+        live = (tt < n_tok)[:, None] & (ks < K)[None, :]
+        ids = tl.load(ids_base + (s * M + tt)[:, None] * K + ks[None, :], mask=live, other=-1)
+        match = ids == my_expert
+        bits = tl.sum(match.to(tl.int32) << ks[None, :], axis=1)  # [MP]; distinct slots -> OR
+        first = tl.min(tl.where(match, ks[None, :], KP), axis=1)
+        has = bits != 0
+        pos = base + tl.cumsum(has.to(tl.int32), axis=0) - 1  # row of (s, t) inside expert e
+        n_s = tl.sum(has.to(tl.int32), axis=0)
+        dst = row0 + pos
+        tl.store(src_rank_ptr + dst, tl.full((MP,), s, tl.int32), mask=has)
+        tl.store(src_token_ptr + dst, tt, mask=has)
+        tl.store(slot_bits_ptr + dst, bits, mask=has)
+        tl.store(src_slot_ptr + dst, first, mask=has)
+        tl.store(row_index_ptr + dst, (s * M + tt).to(tl.int64), mask=has)
+        tl.store(range_ptr + (e * W + s) * 2, n_s)
+        tl.store(range_ptr + (e * W + s) * 2 + 1, base)
+        # The inverse map for e's slots; expert 0's program also marks every other slot -1.
+        slot_dst = slot_row_ptr + (s * M + tt)[:, None] * K + ks[None, :]
+        tl.store(slot_dst, (row0 + pos)[:, None].to(tl.int64), mask=match)
+        if e == 0:
+            mine = (ids >= RANK * EL) & (ids < RANK * EL + EL)
+            tl.store(slot_dst, tl.full((MP, KP), -1, tl.int64), mask=~mine & (tt < M)[:, None] & (ks < K)[None, :])
+        base += n_s
+    count = base
+    tl.store(counts_ptr + e, count)
+    if e == 0:
+        ss = tl.arange(0, W)
+        tl.store(num_tokens_ptr + ss, tl.load(t_base + ss))
+    # Padding rows: -1 (disjoint from the valid rows written above).
+    pr = tl.arange(0, CAPP)
+    pad = (pr >= count) & (pr < CAP)
+    minus = tl.full((CAPP,), -1, tl.int32)
+    tl.store(src_rank_ptr + row0 + pr, minus, mask=pad)
+    tl.store(src_token_ptr + row0 + pr, minus, mask=pad)
+    tl.store(slot_bits_ptr + row0 + pr, minus, mask=pad)
+    tl.store(src_slot_ptr + row0 + pr, minus, mask=pad)
+    tl.store(row_index_ptr + row0 + pr, minus.to(tl.int64), mask=pad)
+    # The barrier makes this CTA's row_index stores visible to all its threads.
+    tl.debug_barrier()
+    x_base = _region(own_ptr, OFF_X, phase, X_PHASE, tok_ptr.dtype.element_ty)
+    for r0 in range(0, count, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        valid = rows < count
+        src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=0)
+        dst_row = (row0 + rows).to(tl.int64)
+        for h0 in tl.static_range(0, H, BH):
+            hh = h0 + tl.arange(0, BH)
+            m = valid[:, None] & (hh < H)[None, :]
+            v = tl.load(x_base + src_row[:, None] * H + hh[None, :], mask=m)
+            tl.store(tok_ptr + dst_row[:, None] * H + hh[None, :], v, mask=m)
+        if QUANT:
+            s_base = _region(own_ptr, OFF_S, phase, S_PHASE, tl.float32)
+            gg = tl.arange(0, NGP)
+            m = valid[:, None] & (gg < NG)[None, :]
+            v = tl.load(s_base + src_row[:, None] * NG + gg[None, :], mask=m)
+            tl.store(tsc_ptr + dst_row[:, None] * NG + gg[None, :], v, mask=m)
+    if PROFILE:
+        t2 = globaltimer()
+        _stamp_range(stamps_ptr, 2, t0, t1)
+        _stamp_range(stamps_ptr, 3, t1, t2)
+    _last_program_advances(state_ptr, epoch, 0, 2, tl.num_programs(0))
+
+
+@triton.jit
+def _put_outputs(eo_ptr, slot_row_ptr, num_tokens_ptr, state_ptr, stamps_ptr,
+                 P0, P1, P2, P3, P4, P5, P6, P7,
+                 OFF_C, C_PHASE, OFF_CNT,
+                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                 KP: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
+    """Program (d, b): the slots of source rank d's tokens [b*TB, (b+1)*TB) that this rank
+    serves (``slot_row``), each expert output row stored into rank d's slot row [t, k]."""
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    if PROFILE:
+        t0 = globaltimer()
+    phase = tl.load(state_ptr + 1) & 1
+    i = tl.arange(0, TB * KP)
+    t = b * TB + i // KP
+    k = i % KP
+    live = (k < K) & (t < tl.load(num_tokens_ptr + d))
+    src = tl.load(slot_row_ptr + (d * M + t) * K + k, mask=live, other=-1)
+    ok = src >= 0
+    slot = (t * K + k).to(tl.int64)
+    for dd in tl.static_range(W):
+        if d == dd:
+            c_dst = _region(_peer(dd, P0, P1, P2, P3, P4, P5, P6, P7), OFF_C, phase, C_PHASE,
+                            eo_ptr.dtype.element_ty)
+            for h0 in tl.static_range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                m = ok[:, None] & (hh < H)[None, :]
+                v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=m)
+                tl.store(c_dst + slot[:, None] * H + hh[None, :], v, mask=m)
+    if PROFILE:
+        _stamp_range(stamps_ptr, 0, t0, globaltimer())
+    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 5, RANK, W,
+                    tl.num_programs(0) * tl.num_programs(1))
+
+
+@triton.jit
+def _reduce_slots(own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr, stamps_ptr,
+                  OFF_C, C_PHASE, OFF_CNT,
+                  W: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    epoch = tl.load(state_ptr + 1)
+    phase = epoch & 1
+    if PROFILE:
+        t0 = globaltimer()
+    cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
+    for s in tl.static_range(W):
+        _wait_at_least(cnt + s, (epoch >> 1) + 1)
+    if PROFILE:
+        t1 = globaltimer()
+    if t < T:
+        hh = hb * BH + tl.arange(0, BH)
+        h_ok = hh < H
+        slots = _region(own_ptr, OFF_C, phase, C_PHASE, out_ptr.dtype.element_ty)
+        acc = tl.zeros((BH,), tl.float32)
+        for k in tl.static_range(K):
+            eid = tl.load(ids_ptr + t * K + k)
+            w = tl.load(w_ptr + t * K + k)
+            v = tl.load(slots + (t * K + k).to(tl.int64) * H + hh, mask=h_ok, other=0.0).to(tl.float32)
+            # Separate multiply and add (the kernel is compiled without FMA contraction), in slot
+            # order: the same float32 operations as weighted_slot_sum, so the result is bitwise equal.
+            acc = tl.where(eid >= 0, acc + v * w, acc)
+        tl.store(out_ptr + t.to(tl.int64) * H + hh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+    if PROFILE:
+        t2 = globaltimer()
+        _stamp_range(stamps_ptr, 1, t0, t1)
+        _stamp_range(stamps_ptr, 2, t1, t2)
+    _last_program_advances(state_ptr, epoch, 1, 3, tl.num_programs(0) * tl.num_programs(1))
+
+
+class SymmMemTransport:
+    """:class:`~moekit.ep.lowlatency.transport.Transport` over torch symmetric memory (one node).
+
+    ``dispatch`` runs the whole receive side (wait, meta, fan-out) in its second kernel, so
+    :meth:`postprocess` and :meth:`fan_out` return what it already built. The returned
+    :class:`RecvBuffers` are views of the phase the host believes current (it counts calls);
+    under CUDA-graph replay only the meta and the expert-major tokens are meaningful.
+    """
+
+    stamps_layer_phases = True  # the receive and reduce kernels stamp postprocess / topk_reduce themselves
+
+    def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if layout.world_size > MAX_PEERS:
+            raise ValueError(f"SymmMemTransport supports world_size <= {MAX_PEERS} (one NVLink domain), "
+                             f"got {layout.world_size}")
+        if layout.online_fp8 and layout.group_size & (layout.group_size - 1):
+            raise ValueError(f"SymmMemTransport needs a power-of-two fp8 group size, got {layout.group_size}")
+        if layout.local_world_size != layout.world_size:
+            raise ValueError("SymmMemTransport needs every rank in one node (local_world_size == world_size); "
+                             "the NVSHMEM route across nodes is not implemented")
+        self.layout = L = layout
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        W, M, H, K, EL = L.world_size, L.max_m, L.hidden, L.topk, L.experts_per_rank
+        self.quant = L.online_fp8
+        x_elem = 1 if self.quant else L.dtype.itemsize
+        ng = L.num_groups if self.quant else 0
+        # Region sizes of one phase, and the byte offset of each region's phase 0.
+        self.x_phase = _round_up(W * M * H * x_elem)
+        self.s_phase = _round_up(max(W * M * ng * 4, 1))
+        self.i_phase = _round_up(W * M * K * 4)
+        self.t_phase = _round_up(W * 4)
+        self.c_phase = _round_up(M * K * H * L.dtype.itemsize)
+        self.off_x = 0
+        self.off_s = self.off_x + 2 * self.x_phase
+        self.off_i = self.off_s + 2 * self.s_phase
+        self.off_t = self.off_i + 2 * self.i_phase
+        self.off_c = self.off_t + 2 * self.t_phase
+        self.off_dcnt = self.off_c + 2 * self.c_phase
+        self.off_ccnt = self.off_dcnt + _round_up(2 * W * 8)
+        self.nbytes = self.off_ccnt + _round_up(2 * W * 8)
+
+        self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._buf.zero_()
+        group_name = self.group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before torch 2.9; a no-op (or absent) later
+            try:
+                enable(group_name)
+            except Exception:  # noqa: BLE001 - newer torch may refuse a second enable
+                pass
+        self._handle = symm_mem.rendezvous(self._buf, group_name)
+        self._peers = [self._handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(W)]
+        self._peer_args = self._peers + [self._buf] * (MAX_PEERS - W)
+        self._state = torch.zeros(_STATE_SIZE, dtype=torch.int64, device=self.device)
+
+        dev = self.device
+        self.tokens = torch.empty(EL, L.capacity, H, dtype=L.wire_dtype, device=dev)
+        self.token_scales = torch.empty(EL, L.capacity, max(ng, 1), dtype=torch.float32, device=dev) if self.quant else None
+        self.meta = LowLatencyMeta(
+            counts=torch.zeros(EL, dtype=torch.int32, device=dev),
+            src_rank=torch.full((EL, L.capacity), -1, dtype=torch.int32, device=dev),
+            src_token=torch.full((EL, L.capacity), -1, dtype=torch.int32, device=dev),
+            src_slot=torch.full((EL, L.capacity), -1, dtype=torch.int32, device=dev),
+            slot_bits=torch.full((EL, L.capacity), -1, dtype=torch.int32, device=dev),
+            layout_range=torch.zeros(EL, W, 2, dtype=torch.int32, device=dev),
+            row_index=torch.full((EL, L.capacity), -1, dtype=torch.int64, device=dev),
+            num_tokens=torch.zeros(W, dtype=torch.int32, device=dev),
+            slot_row=torch.full((W, M, K), -1, dtype=torch.int64, device=dev),
+            recv=None,
+        )
+        self.out = torch.empty(M, H, dtype=L.dtype, device=dev)
+        self._calls = 0
+        self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
+        # Launch shapes.
+        self.n_put = min(M, 128)
+        self.rows = 16
+        self.tokens_per_out = max(1, 16 // _next_pow2(K))  # 16 (token, slot) entries per combine program
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ views
+    def _recv_view(self, phase: int) -> RecvBuffers:
+        L = self.layout
+        W, M, H, K = L.world_size, L.max_m, L.hidden, L.topk
+
+        def region(off, nbytes, dtype, shape):
+            return self._buf[off: off + nbytes].view(dtype).view(shape)
+
+        x_elem = 1 if self.quant else L.dtype.itemsize
+        x = region(self.off_x + phase * self.x_phase, W * M * H * x_elem, L.wire_dtype, (W, M, H))
+        scales = (region(self.off_s + phase * self.s_phase, W * M * L.num_groups * 4, torch.float32,
+                         (W, M, L.num_groups)) if self.quant else None)
+        ids = region(self.off_i + phase * self.i_phase, W * M * K * 4, torch.int32, (W, M, K))
+        num = region(self.off_t + phase * self.t_phase, W * 4, torch.int32, (W,))
+        return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num)
+
+    def _consts(self) -> dict:
+        L = self.layout
+        return dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, EL=L.experts_per_rank)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
+        L = self.layout
+        T = x.shape[0]
+        profile = stamps is not None
+        if profile:
+            stamps[:, 0] = torch.iinfo(torch.int64).max
+            stamps[:, 1] = 0
+        st = stamps if profile else self._no_stamps
+        ng = L.num_groups if self.quant else 1
+        c = self._consts()
+        offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
+                   self.off_t, self.t_phase, self.off_dcnt)
+        _put_tokens[(self.n_put,)](
+            x, topk_ids, T, self._state, st, *self._peer_args, *offsets,
+            HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk), G=L.group_size if self.quant else 1,
+            NG=ng, NGP=_next_pow2(ng), QUANT=self.quant, PROFILE=profile, NPROG=self.n_put, num_warps=8, **c,
+        )
+        m = self.meta
+        tsc = self.token_scales if self.quant else self.tokens
+        grid = (L.experts_per_rank,)
+        _recv_tokens[grid](
+            self._buf, self._state, st, self.tokens, tsc,
+            m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range, m.row_index,
+            m.num_tokens, m.slot_row, *offsets,
+            MP=_next_pow2(L.max_m), KP=_next_pow2(L.topk), NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
+            ROWS=self.rows, CAPP=_next_pow2(L.capacity), BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
+            PROFILE=profile, num_warps=4, **c,
+        )
+        recv = self._recv_view(self._calls % 2)
+        self._calls += 1
+        self.meta.recv = recv
+        return recv
+
+    def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta:
+        """Built by dispatch's receive kernel already."""
+        return self.meta
+
+    def fan_out(self, recv: RecvBuffers, meta: LowLatencyMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Done by dispatch's receive kernel already."""
+        return self.tokens, self.token_scales
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, expert_out: torch.Tensor, meta: LowLatencyMeta, stamps: torch.Tensor | None) -> torch.Tensor:
+        """Send the expert outputs home. Returns None: the slot rows stay in symmetric memory and
+        :meth:`topk_reduce` (which waits for them) reads them in place."""
+        L = self.layout
+        profile = stamps is not None
+        if profile:
+            stamps[:, 0] = torch.iinfo(torch.int64).max
+            stamps[:, 1] = 0
+        self._combine_stamps = stamps if profile else self._no_stamps
+        grid = (L.world_size, triton.cdiv(L.max_m, self.tokens_per_out))
+        _put_outputs[grid](
+            expert_out.contiguous(), meta.slot_row, meta.num_tokens, self._state, self._combine_stamps,
+            *self._peer_args, self.off_c, self.c_phase, self.off_ccnt,
+            KP=_next_pow2(L.topk), TB=self.tokens_per_out, BH=min(1024, _next_pow2(L.hidden)),
+            PROFILE=profile, num_warps=4, RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk,
+        )
+        return None
+
+    def topk_reduce(self, slot_rows, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+        """Wait for the slot rows of this step and sum them (bitwise ``weighted_slot_sum``)."""
+        if slot_rows is not None:  # rows handed in by someone else: the plain torch reduce
+            return topk_reduce(slot_rows, topk_ids, topk_weights, out_dtype)
+        L = self.layout
+        T = topk_ids.shape[0]
+        if out_dtype != L.dtype:
+            raise ValueError(f"out_dtype must be the layer's dtype {L.dtype}, got {out_dtype}")
+        ids = topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        bh = min(1024, _next_pow2(L.hidden))
+        st = self._combine_stamps
+        _reduce_slots[(max(T, 1), triton.cdiv(L.hidden, bh))](
+            self._buf, ids, w, self.out, T, self._state, st, self.off_c, self.c_phase, self.off_ccnt,
+            W=L.world_size, H=L.hidden, K=L.topk, BH=bh,
+            PROFILE=st is not self._no_stamps, num_warps=4, enable_fp_fusion=False,
+        )
+        return self.out[:T]
+
+    # ------------------------------------------------------------------ misc
+    def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
+        if stamps is not None:
+            _stamp_now[(1,)](stamps, 2 * index + which)
+
+    def close(self) -> None:
+        """Release the symmetric buffer (after a barrier, so no peer still writes into it)."""
+        if self._buf is None:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._peers = self._peer_args = None
+        self._handle = None
+        self._buf = None

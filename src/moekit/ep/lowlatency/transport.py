@@ -1,0 +1,109 @@
+"""The transport interface of the low-latency layer.
+
+A transport moves the bytes: dispatch delivers every source's tokens (once per destination
+rank), routing and token count into this rank's :class:`~moekit.ep.lowlatency.layout.RecvBuffers`;
+combine sends each expert output row back to the slots of its source token. The layout
+work on either side (postprocess, fan-out, top-k reduce) is plain torch in
+:mod:`moekit.ep.lowlatency.layout`; a transport may override it with fused kernels as long
+as results stay bitwise the same.
+
+Implementations: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` (CPU, gloo collectives,
+the semantics in CI) and ``SymmMemTransport`` in ``moekit.ep.lowlatency.cuda`` (Triton over
+torch symmetric memory; GPU).
+
+Profiling. ``stamps`` is an int64 tensor ``[num_phases, 2]`` (start, end in ns of the
+transport's clock) on the transport's device, or None when not profiling. The transport
+fills its own phases (GPU kernels take min start / max end over their programs); the layer
+stamps the phases it runs itself (postprocess, topk_reduce) with :meth:`Transport.stamp`,
+merging (earliest start, latest end; -1 = unset) unless the transport sets
+``stamps_layer_phases = True`` because its kernels stamp those phases themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from moekit.ep.lowlatency import layout as _layout
+from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers
+
+# Row index of each phase in a stamps tensor. The transport fills the first ones; the layer
+# fills the last one of each call (POSTPROCESS, TOPK_REDUCE).
+DISPATCH_PHASES = ("quant_and_put", "count_put", "wait", "postprocess")
+COMBINE_PHASES = ("copy_and_put", "recv_wait", "topk_reduce")
+QUANT_AND_PUT, COUNT_PUT, WAIT, POSTPROCESS = range(4)
+COPY_AND_PUT, RECV_WAIT, TOPK_REDUCE = range(3)
+START, END = 0, 1
+
+
+def new_stamps(num_phases: int, device: torch.device | str) -> torch.Tensor:
+    """A stamps tensor with every entry -1 (a phase that never ran stays -1)."""
+    return torch.full((num_phases, 2), -1, dtype=torch.int64, device=device)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What :class:`~moekit.ep.lowlatency.EPLowLatencyAllToAll` needs from a transport."""
+
+    layout: LowLatencyLayout
+    # Optional attribute: True when the transport's own kernels stamp POSTPROCESS and
+    # TOPK_REDUCE (e.g. the fan-out runs inside its receive kernel); the layer then leaves
+    # those rows alone. Absent or False: the layer stamps them around the calls.
+    # stamps_layer_phases: bool
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
+        """Send token t once to every rank hosting one of its experts (quantized when
+        ``layout.online_fp8``), and topk_ids (all T rows) and T to every rank, itself included;
+        return when every source's data of this step has arrived. Alternates phases internally.
+
+        ``x [T, H]`` ``layout.dtype`` contiguous, ``topk_ids [T, K]`` int32 contiguous, T <= max_m,
+        ids in [-1, E) (the layer validates before calling).
+        """
+        ...
+
+    def combine(self, expert_out: torch.Tensor, meta: LowLatencyMeta, stamps: torch.Tensor | None) -> torch.Tensor:
+        """For each valid received row (e, r) write ``expert_out[e, r]`` to rank ``src_rank``'s
+        slot rows ``[src_token, k]`` for every k in ``slot_bits``; return this rank's slot rows
+        ``[max_m, K, H]`` (``layout.dtype``) once all have arrived. Slots that no rank served
+        (masked, or t >= T) hold unspecified values.
+
+        ``expert_out [E_local, capacity, H]`` ``layout.dtype``.
+        """
+        ...
+
+    def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta: ...
+
+    def fan_out(self, recv: RecvBuffers, meta: LowLatencyMeta) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def topk_reduce(self, slot_rows: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
+        """Write "now" (ns, the transport's clock) into ``stamps[index, which]``; no-op on None."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TransportDefaults:
+    """The layout steps in plain torch, for transports to inherit (or override with kernels)."""
+
+    layout: LowLatencyLayout
+
+    def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta:
+        return _layout.postprocess(recv, self.layout)
+
+    def fan_out(self, recv: RecvBuffers, meta: LowLatencyMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _layout.fan_out(recv, meta, self.layout)
+
+    def topk_reduce(self, slot_rows: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+        return _layout.topk_reduce(slot_rows, topk_ids, topk_weights, out_dtype)
+
+
+def host_stamp(stamps: torch.Tensor | None, index: int, which: int) -> None:
+    """The CPU clock (``time.perf_counter_ns``) into ``stamps[index, which]``."""
+    if stamps is not None:
+        stamps[index, which] = time.perf_counter_ns()

@@ -1,0 +1,64 @@
+"""`moekit bench lowlatency` on 2 CPU ranks (gloo, tiny sizes): the record, table, figure and traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.bench.lowlatency import (LowLatencyBenchConfig, _routing_bytes, format_lowlatency_bench,
+                                     run_lowlatency_bench)
+from moekit.bench.perfetto import load_trace
+from moekit.bench.report import load_record
+from moekit.cli import main as cli_main
+
+
+def test_bench_record_on_cpu(tmp_path):
+    cfg = LowLatencyBenchConfig(world_size=2, hidden=128, top_k=2, num_experts=8, tokens=(1, 4), iters=3, warmup=1,
+                                routings=3, trace_dir=str(tmp_path / "traces"))
+    record = run_lowlatency_bench(cfg, out_dir=str(tmp_path))
+    saved = load_record(record["path"])
+    p, r = saved["params"], saved["results"]
+    assert p["backend"] == "gloo" and not p["cuda_graphs"] and p["max_m"] == 4 and p["num_experts"] == 8
+    assert set(r["series"]) == {"lowlatency", "alltoall"}  # vdev2d needs GPUs
+    assert r["vdev2d"]["ran"] is False and "CUDA" in r["vdev2d"]["skipped"]
+    for by_t in r["series"].values():
+        assert set(by_t) == {"1", "4"}
+        for s in by_t.values():
+            assert s["dispatch"]["n"] == 3 and 0 < s["dispatch"]["median"] <= s["total"]["max"]
+            # the total is the slowest rank's dispatch + combine of one iteration
+            assert s["total"]["max"] <= s["dispatch"]["max"] + s["combine"]["max"] + 1e-6
+    assert set(r["ratios"]["4"]) == {"alltoall/lowlatency"}
+    assert r["checks"]["lowlatency_counts"] == {"1": True, "4": True}
+    assert r["byte_floor"]["lowlatency"]["4"]["dispatch_bytes"] > 0 and "dispatch_us" not in r["byte_floor"][
+        "lowlatency"]["4"]  # no bandwidth on the CPU
+    assert r["goal"] is None  # no 128-token point
+    assert record["figures"][0].endswith(".png")
+    assert len(r["traces"]) == 4
+    for path in r["traces"]:
+        assert {e["name"] for e in load_trace(path)["traceEvents"] if e["ph"] == "X"}
+    text = format_lowlatency_bench(record)
+    assert "lowlatency" in text and "alltoall/lowlatency" in text and "skipped" in text
+
+
+def test_routing_bytes_dedup():
+    # 2 ranks, 4 experts (2 per rank); rank 0's tokens
+    ids = torch.tensor([[[0, 2], [2, 3], [0, 1]]])  # one routing, T = 3, K = 2
+    d, c = _routing_bytes(ids, rank=0, E=4, P=2, dispatch_row=10, combine_row=100, dedup=True)
+    assert (d, c) == (2 * 10, 3 * 100)  # tokens 0 and 1 cross once each; 3 slots come back
+    d, c = _routing_bytes(ids, rank=0, E=4, P=2, dispatch_row=10, combine_row=100, dedup=False)
+    assert (d, c) == (3 * 10, 3 * 100)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(tokens=()), "tokens"), (dict(methods=("x",)), "methods"),
+                                       (dict(iters=0), "iters"), (dict(shape="nope"), "nope")])
+def test_config_validation(bad, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        LowLatencyBenchConfig(**bad)
+
+
+def test_cli_help_and_bad_input(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", "lowlatency", "--help"])
+    assert done.value.code == 0 and "--peer-experts" in capsys.readouterr().out
+    assert cli_main(["bench", "lowlatency", "--num-experts", "7", "--no-record"]) == 2
+    assert "num_experts=7 must be a multiple of world_size=2" in capsys.readouterr().err
