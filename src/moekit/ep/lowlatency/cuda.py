@@ -87,10 +87,18 @@ def _peer(d: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7):
 
 @triton.jit
 def _fence_system():
-    """fence.acq_rel.sys in every thread: this thread's stores are ordered before what follows
-    for observers on other GPUs (the usual threadfence_system before raising a flag)."""
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    """fence.acq_rel.sys in thread 0 of the CTA, between two CTA barriers.
+
+    The first barrier makes every thread's earlier stores performed relative to thread 0; the
+    fence, being cumulative, then orders them all before whatever follows for observers on
+    other GPUs (the grid-sync idiom: syncthreads, then one thread fences). One fence per CTA
+    instead of one per thread: a system-scope fence waits for the stores to be acknowledged
+    across NVLink, and thousands of them cost tens of µs."""
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p fence.acq_rel.sys; mov.u32 $0, 0; }",
+        "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -135,12 +143,11 @@ def _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7,
     """Called by every program after its stores: the last one to finish raises this source's
     arrival counter on every rank, once.
 
-    Each thread fences its own stores at system scope; the CTA barrier and the gpu-scope
-    acq_rel ticket put every program's stores before the last program's release at system
-    scope, which is what the receiver's acquire pairs with (one remote atomic per peer per
+    One thread per CTA fences the CTA's stores at system scope (:func:`_fence_system`); the
+    gpu-scope acq_rel ticket puts every program's stores before the last program's release at
+    system scope, which is what the receiver's acquire pairs with (one remote atomic per peer per
     step: many programs hitting one remote address serialize over NVLink)."""
     _fence_system()
-    tl.debug_barrier()
     ticket = tl.atomic_add(state_ptr + TICKET, 1, sem="acq_rel", scope="gpu")
     if ticket == NPROG - 1:
         tl.store(state_ptr + TICKET, 0)
