@@ -5,9 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
-from moekit.kernels.configs import HOPPER_SMEM_PER_BLOCK, KernelConfig, config_space, default_config
-from moekit.shapes import PRESETS
+from moekit.kernels.configs import (
+    HOPPER_SMEM_PER_BLOCK,
+    KernelConfig,
+    config_space,
+    default_config,
+    fp8_config_error,
+)
+from moekit.shapes import PRESETS, MoEShape
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -59,3 +66,59 @@ def test_default_config_valid(M):
     for shape in PRESETS.values():
         c = default_config(M, shape)
         assert c.fits()
+
+
+# --- FP8 W8A8 space ------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fp8_space_per_preset(name):
+    space = config_space(PRESETS[name], dtype=FP8)
+    assert len(space) >= 100, len(space)
+    assert len(set(space)) == len(space)
+    for c in space:
+        assert fp8_config_error(c) is None, c
+        assert c.bk == 128 and c.bn in (128, 256)
+        assert c.smem_bytes(1) <= HOPPER_SMEM_PER_BLOCK and c.fits(elem_bytes=1)
+    assert {c.form for c in space} == {"two_launch", "fused"}
+    assert {c.bm for c in space} == {16, 32, 64, 128}
+    assert {c.group_m for c in space} == {1, 8}
+    assert {c.split_k for c in space} == {1, 4}
+    assert {c.bn for c in space if c.form == "two_launch"} == {128, 256}
+    assert all(c.bn == 128 and c.split_k == 1 for c in space if c.form == "fused")
+    # 1-byte tiles admit pipelines that bf16 tiles of the same shape cannot fit
+    assert any(not c.fits(elem_bytes=2) for c in space)
+
+
+def test_fp8_space_small_shape_drops_wide_tiles():
+    tiny = MoEShape("tiny", num_experts=4, top_k=2, hidden=128, intermediate=128)
+    space = config_space(tiny, dtype=FP8)
+    assert space and all(c.bn == 128 for c in space)
+
+
+def test_bf16_space_unchanged_by_fp8():
+    # the bf16 space keeps its families (no FP8-only depth 5 or bk = 128 only)
+    space = config_space(PRESETS["mixtral-8x7b"])
+    assert len(space) == 240
+    assert max(c.num_stages for c in space) == 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bk=64), "bk must be 128"),
+    (dict(bn=64), "bn must be a multiple of 128"),
+    (dict(bn=256, form="fused"), "bn must be 128 for FP8 in the fused form"),
+])
+def test_fp8_config_error(kwargs, match):
+    cfg = KernelConfig(**{**dict(bm=16, bn=128, bk=128), **kwargs})
+    err = fp8_config_error(cfg)
+    assert err is not None and match in err
+    assert fp8_config_error(KernelConfig(bm=16, bn=128, bk=128)) is None
+
+
+@pytest.mark.parametrize("M", [1, 4, 64, 512, 4096])
+def test_default_config_fp8_valid(M):
+    for shape in PRESETS.values():
+        c = default_config(M, shape, dtype=FP8)
+        assert fp8_config_error(c) is None and c.fits(elem_bytes=1)

@@ -8,6 +8,13 @@ GROUP_M swizzle and split-K, plus the execution form (``two_launch`` or ``fused`
 fits one block's limit and their fp32 accumulators fit a register heuristic. Which of the valid
 configurations is *fast* for a given routing is the selector's job (``moekit.ramp``), not this
 module's; :func:`default_config` is only a reasonable static pick.
+
+FP8 W8A8 (``dtype=torch.float8_e4m3fn``) has its own, smaller product (:func:`fp8_config_error`
+gives the rules): the reduction chunk is one 128-wide scale block (bk = 128), output tiles are
+whole 128-column quantization groups (bn in {128, 256}; the fused form re-quantizes its tile
+in registers as one group, so bn = 128 there); since an fp8 tile takes half the shared
+memory of a bf16 one, pipelines may be one stage deeper (up to 5), and bm >= 64 tiles are
+tried with 8 warps as well as 4.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ TILE_FAMILIES = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64))
 PIPELINE_STAGES = (2, 3, 4)
 GROUP_M_CHOICES = (1, 8)  # 1 = no swizzle
 SPLIT_K_CHOICES = (1, 4)  # split of GEMM2's reduction, two_launch form only
+
+# FP8 W8A8: (bn, bk) families and pipeline depths (see fp8_config_error for why).
+FP8_SCALE_BLOCK = 128
+FP8_TILE_FAMILIES = ((128, 128), (256, 128))
+FP8_PIPELINE_STAGES = (2, 3, 4, 5)
 
 # Hopper (H100/H200): 228 KB shared memory per SM, of which one block may use 227 KB.
 HOPPER_SMEM_PER_BLOCK = 227 * 1024
@@ -106,10 +118,37 @@ class KernelConfig:
                 and self.acc_regs_per_thread() <= MAX_ACC_REGS_PER_THREAD)
 
 
+def fp8_config_error(config: KernelConfig) -> str | None:
+    """Why ``config`` cannot run the FP8 W8A8 kernels, or None when it can.
+
+    bk = 128: each reduction chunk must be exactly one scale block, so one activation scale
+    per row and one weight scale per column apply to the whole chunk's dot product. bn a
+    multiple of 128: the SwiGLU output tile is re-quantized in whole 128-column groups (and a
+    bn = 256 tile takes per-column weight scales, so it may span two weight blocks). fused:
+    bn = 128, because the in-register tile is one group whose single per-row scale feeds the
+    down-projection's reduction over that tile.
+    """
+    b = FP8_SCALE_BLOCK
+    if config.bk != b:
+        return f"KernelConfig.bk must be {b} for FP8 (one scale block per reduction chunk), got {config.bk}"
+    if config.bn % b:
+        return f"KernelConfig.bn must be a multiple of {b} for FP8 (whole quantization groups), got {config.bn}"
+    if config.form == "fused" and config.bn != b:
+        return f"KernelConfig.bn must be {b} for FP8 in the fused form (one group per tile), got {config.bn}"
+    return None
+
+
 def _warps_for(bm: int, bn: int) -> int:
     # One warpgroup (4 warps) for small tiles; two for the large ones so the accumulator
     # per thread stays within the register budget.
     return 8 if bm * bn >= 64 * 256 else 4
+
+
+def _fp8_warps_for(bm: int, bn: int) -> tuple[int, ...]:
+    # FP8 also tries two warpgroups for bm >= 64 tiles that one warpgroup could take: it halves
+    # the accumulator registers per thread, which admits the fused form at bm = 64.
+    w = _warps_for(bm, bn)
+    return (w, 8) if w == 4 and bm >= 64 else (w,)
 
 
 def _smem_limit(device) -> int:
@@ -132,39 +171,52 @@ def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfl
     accumulators pass the register heuristic. Tiles wider than the (power-of-two-rounded)
     dimension they tile are dropped, since they only add masked work. The order is
     deterministic.
+
+    ``dtype=torch.float8_e4m3fn``: the FP8 W8A8 space (FP8 tile families and depths, only
+    configs with ``fp8_config_error(c) is None``, shared memory at 1 byte per element).
     """
+    fp8 = dtype == torch.float8_e4m3fn
     elem = torch.empty((), dtype=dtype).element_size()
     limit = _smem_limit(device)
     H, N = shape.hidden, shape.intermediate
     cap_n = max(64, _next_pow2(min(H, N)))  # bn tiles N (GEMM1) and H (GEMM2)
     cap_k = max(64, _next_pow2(min(H, N)))  # bk tiles H (GEMM1) and N (GEMM2)
+    families = FP8_TILE_FAMILIES if fp8 else TILE_FAMILIES
+    depths = FP8_PIPELINE_STAGES if fp8 else PIPELINE_STAGES
     out = []
-    for bm, (bn, bk), stages, group_m in itertools.product(TOKEN_BLOCKS, TILE_FAMILIES, PIPELINE_STAGES,
-                                                           GROUP_M_CHOICES):
+    # (FP8 needs H and N to be multiples of 128, so its (128, 128) family always passes this.)
+    for bm, (bn, bk), stages, group_m in itertools.product(TOKEN_BLOCKS, families, depths, GROUP_M_CHOICES):
         if bn > cap_n or bk > cap_k:
             continue
         variants = [("two_launch", s) for s in SPLIT_K_CHOICES] + [("fused", 1)]
-        for form, split_k in variants:
-            cfg = KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=_warps_for(bm, bn), num_stages=stages,
+        warps = _fp8_warps_for(bm, bn) if fp8 else (_warps_for(bm, bn),)
+        for (form, split_k), num_warps in itertools.product(variants, warps):
+            cfg = KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=num_warps, num_stages=stages,
                                group_m=group_m, split_k=split_k, form=form)
+            if fp8 and fp8_config_error(cfg):
+                continue
             if cfg.fits(limit, elem):
                 out.append(cfg)
     return out
 
 
-def default_config(M: int, shape: MoEShape) -> KernelConfig:
+def default_config(M: int, shape: MoEShape, *, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     """A static pick from the batch size alone (what production systems do; RaMP does better).
 
     Expected rows per active expert ~ M*K/E: use the smallest token block that is not mostly
     padding, wide tiles for large batches, and split GEMM2's reduction at tiny batches where
-    the grid is far below one wave.
+    the grid is far below one wave. ``dtype=torch.float8_e4m3fn`` picks from the FP8 rules
+    (bn = bk = 128).
     """
+    fp8 = dtype == torch.float8_e4m3fn
     rows = max(1, M * shape.top_k // shape.num_experts)
     bm = next((b for b in TOKEN_BLOCKS if b >= rows), TOKEN_BLOCKS[-1])
     if M * shape.top_k <= 64:  # decode: a sub-wave grid, weights dominate
-        return KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch")
-    bn = 128 if bm >= 64 else 64
-    return KernelConfig(bm=bm, bn=bn, bk=64, num_warps=_warps_for(bm, bn), num_stages=3, group_m=8,
+        bn = 128 if fp8 else 64
+        return KernelConfig(bm=16, bn=bn, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch")
+    bn = 128 if bm >= 64 or fp8 else 64
+    bk = 128 if fp8 else 64
+    return KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=_warps_for(bm, bn), num_stages=3, group_m=8,
                         form="two_launch")
 
 

@@ -24,21 +24,31 @@ combine, which sums the K slots in a fixed order.
 Alignment (align.py) gives the padded expert-grouped row order without a host sync; the grid
 is launched for the upper bound of blocks and blocks past the real end return at once.
 
-FP8 extension point: W8A8 with block scales needs (a) fp8 operands in both dots, (b) per-row
-activation scales and per-[128, 128] weight-block scales applied to each bk-chunk's partial
-product before it is added to the accumulator, and (c) re-quantizing the SwiGLU output to fp8
-(two_launch: in GEMM1's epilogue; fused: in registers). The places are marked ``FP8:`` below;
-nothing of it is implemented: fp8 weights raise ``NotImplementedError``.
+FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
+``float8_e4m3fn`` with one float32 scale per [128, 128] block (``moekit.fp8.quantize_blocks``);
+activations are e4m3 with one scale per token per 128 columns (``quantize_groups``), made by
+``quant.quantize_groups_triton`` from bf16/fp16/fp32 inputs or handed over already quantized.
+Every reduction chunk is exactly one scale block (bk = 128), so each chunk's fp8 x fp8 dot
+(float32 result) is multiplied by ``a_scale[row, chunk] * w_scale[col block, chunk]`` before
+it is added to the float32 accumulator. Weight scales are loaded per output column (the index
+``col // 128``), so a bn = 256 tile spanning two scale blocks needs nothing special. The SwiGLU
+output is re-quantized per row per 128 columns with the same helper as the activations
+(``quant._quantize_tile``): two_launch in GEMM1's epilogue, which writes the fp8 intermediate
+and its scales [capacity, N / 128]; fused in registers, which is why the fused form needs
+bn = 128 (one N group, so one scale per row for the down-projection's reduction). On sm_90
+Triton's fp8 dot accumulates each 128-deep chunk in the tensor core's reduced-precision
+accumulator (its default ``max_num_imprecise_acc``); chunks are then summed in float32, which
+is DeepSeek-V3's "promote every 128" scheme. The constraints on configurations are checked by
+``configs.fp8_config_error``.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moekit.kernels.align import Alignment, align_expert_major, align_tokens
-from moekit.kernels.configs import KernelConfig
+from moekit.kernels.configs import KernelConfig, fp8_config_error
+from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
 try:  # Triton is optional: the package imports without it, the kernels need it.
     import triton
@@ -50,16 +60,23 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     HAVE_TRITON = False
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreting()
 
 
 if HAVE_TRITON:
+    from moekit.kernels.quant import _quantize_tile
+
     # H and N are tl.constexpr in every kernel: the K loops then have compile-time trip counts
     # (Triton's interpreter cannot loop over a run-time scalar argument, and the compiler
     # pipelines a constant-trip loop at least as well). One compile per model shape.
+    #
+    # FP8 is a constexpr: with FP8=False the scale arguments are never read (any pointer, zero
+    # strides) and the compiled bf16/fp16/fp32 kernels are the same as before the FP8 path.
+    _SB = tl.constexpr(FP8_GROUP)  # scale block: 128 columns of activations, 128x128 of weights
 
     @triton.jit
     def _block_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
@@ -81,17 +98,47 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
+    def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BM: tl.constexpr):
+        """The token block ``pid_m``: (live, expert, rows, pair, row_ok).
+
+        ``live`` is False for blocks past the real padded end (the grid covers the upper bound;
+        the real end is on the device) and for blocks without an expert: the caller must return
+        at once (a helper cannot return from its caller). rows are the padded row indices,
+        pair the pair ids stored there, row_ok False on padding rows (sentinel ``num_pairs``).
+        The pair load is masked by ``live``, so a dead block reads nothing more.
+        """
+        live = pid_m * BM < tl.load(num_padded_ptr)
+        expert = tl.load(block_expert_ptr + pid_m)
+        live = live & (expert >= 0)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ids_ptr + rows, mask=live, other=num_pairs)
+        row_ok = pair < num_pairs
+        return live, expert, rows, pair, row_ok
+
+    @triton.jit
     def _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H: tl.constexpr, N: tl.constexpr,
                      stride_xm, stride_we, stride_wn, stride_wk,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                     xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                     FP8: tl.constexpr):
         """silu(x[a_rows] @ gate.T) * (x[a_rows] @ up.T) for columns offs_n of expert ``expert``,
-        as a float32 [BM, BN] tile. gate is w13[e, :N], up is w13[e, N:]."""
+        as a float32 [BM, BN] tile. gate is w13[e, :N], up is w13[e, N:].
+
+        FP8: x and w13 are e4m3; xs is x's [rows, H/128] scales, ws w13's [E, 2N/128, H/128]
+        block scales, and BK == 128, so chunk k0 is scale column k0 of both."""
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
         w_base = w13_ptr + expert.to(tl.int64) * stride_we
         g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
         u_ptrs = g_ptrs + N * stride_wn
+        if FP8:
+            # Per-column weight scales: gate column n is in row block n // 128 of w13, up column
+            # n in block (N + n) // 128. Masked columns (n >= N) are never loaded.
+            xs_ptrs = xs_ptr + a_rows * stride_xsm
+            ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
+            gs_ptrs = ws_base + (offs_n // _SB) * stride_wsn
+            us_ptrs = ws_base + ((N + offs_n) // _SB) * stride_wsn
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(H, BK)):
@@ -99,9 +146,16 @@ if HAVE_TRITON:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            # FP8: scale the partial products by the activation-row and weight-block scales here.
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            if FP8:
+                # The chunk's fp8 products, then its scales, then into the float32 accumulator.
+                a_s = tl.load(xs_ptrs + k0, mask=row_ok, other=0.0)
+                g_s = tl.load(gs_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
+                u_s = tl.load(us_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
+                acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+                acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+            else:
+                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             a_ptrs += BK
             g_ptrs += BK * stride_wk
             u_ptrs += BK * stride_wk
@@ -112,70 +166,89 @@ if HAVE_TRITON:
         x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
         num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+        xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
         A_DIV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
-        """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row."""
+        """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
+
+        FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        # Early exit: the grid covers the upper bound of blocks; the real end is on the device.
-        if pid_m * BM >= tl.load(num_padded_ptr):
+        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                                                       num_pairs, BM)
+        if not live:
             return
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids_ptr + rows)
-        row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
         a_rows = tl.where(row_ok, pair // A_DIV, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
-                           stride_xm, stride_we, stride_wn, stride_wk, BM, BN, BK, PRECISION)
-        # FP8: re-quantize act to fp8 with a per-row scale here and store the scales too.
-        i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+                           stride_xm, stride_we, stride_wn, stride_wk,
+                           xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
+                           BM, BN, BK, PRECISION, FP8)
+        rows64 = rows.to(tl.int64)
+        i_ptrs = inter_ptr + rows64[:, None] * stride_im + offs_n[None, :]
         # Padding rows are written too (as zeros: their A rows were masked to 0), so GEMM2 never
         # reads uninitialised memory.
-        tl.store(i_ptrs, act.to(inter_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
+        if FP8:
+            # Re-quantize per row per 128 columns: view the tile as [BM * BN/128, 128] (row-major,
+            # so row r, group j becomes row r * BN/128 + j), one scale per row of that view.
+            q, s = _quantize_tile(tl.reshape(act, (BM * (BN // _SB), _SB)), SOFT_ROUND)
+            tl.store(i_ptrs, tl.reshape(q, (BM, BN)), mask=(offs_n < N)[None, :])
+            offs_g = pid_n * (BN // _SB) + tl.arange(0, BN // _SB)
+            s_ptrs = is_ptr + rows64[:, None] * stride_ism + offs_g[None, :]
+            tl.store(s_ptrs, tl.reshape(s, (BM, BN // _SB)), mask=(offs_g < N // _SB)[None, :])
+        else:
+            tl.store(i_ptrs, act.to(inter_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
 
     @triton.jit
     def _gemm2_kernel(
         inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
         num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
         stride_im, stride_we, stride_wh, stride_wk, stride_om,
+        is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
         OUT_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
+        FP8: inter and w2 are e4m3, is the intermediate's [rows, N/128] scales, ws w2's
+        [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both.
         """
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        if pid_m * BM >= tl.load(num_padded_ptr):
+        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                                                       num_pairs, BM)
+        if not live:
             return
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids_ptr + rows)
-        row_ok = pair < num_pairs
         offs_h = pid_n * BN + tl.arange(0, BN)
         h_ok = offs_h < H
         # This split's share of the reduction: PER_SPLIT = ceil(ceil(N / BK) / split_k) whole
         # BK chunks (computed on the host so the loop bound is a compile-time constant).
         c_begin = tl.program_id(1) * PER_SPLIT
         offs_k = tl.arange(0, BK)
-        a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + (c_begin * BK + offs_k)[None, :]
+        rows64 = rows.to(tl.int64)
+        a_ptrs = inter_ptr + rows64[:, None] * stride_im + (c_begin * BK + offs_k)[None, :]
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
                   + (c_begin * BK + offs_k)[:, None] * stride_wk)  # [BK, BN] = w2[e].T tile
+        if FP8:
+            as_ptrs = is_ptr + rows64 * stride_ism + c_begin
+            bs_ptrs = (ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
+                       + c_begin * stride_wsk)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for i in range(0, PER_SPLIT):
             # The last split may own fewer chunks (or none): mask the chunks past the end.
             k_ok = offs_k < N - (c_begin + i) * BK
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if FP8:
+                chunk_ok = c_begin + i < N // _SB
+                a_s = tl.load(as_ptrs + i, mask=chunk_ok, other=0.0)
+                b_s = tl.load(bs_ptrs + i * stride_wsk, mask=h_ok & chunk_ok, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BK
             b_ptrs += BK * stride_wk
         if MUL_WEIGHT:
@@ -190,30 +263,37 @@ if HAVE_TRITON:
         x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
         num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_om,
+        xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
+        stride_w2se, stride_w2sh, stride_w2sk,
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
-        the down-projection, added into out over all H in BK-wide chunks."""
+        the down-projection, added into out over all H in BK-wide chunks.
+
+        FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
+        scale block h0: one activation scale per row and one w2 scale per chunk."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        if pid_m * BM >= tl.load(num_padded_ptr):
+        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                                                       num_pairs, BM)
+        if not live:
             return
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids_ptr + rows)
-        row_ok = pair < num_pairs
         a_rows = tl.where(row_ok, pair // A_DIV, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
-                           stride_xm, stride_w13e, stride_w13n, stride_w13k, BM, BN, BK, PRECISION)
-        # Same rounding as the two_launch intermediate, and the dtype the tensor cores take.
-        # FP8: re-quantize to fp8 in registers here instead.
-        act = act.to(x_ptr.dtype.element_ty)
+                           stride_xm, stride_w13e, stride_w13n, stride_w13k,
+                           xs_ptr, w13s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
+                           BM, BN, BK, PRECISION, FP8)
+        if FP8:
+            # In-register re-quantization: the tile is one 128-column group of every row.
+            act, act_s = _quantize_tile(act, SOFT_ROUND)
+            w2s_ptrs = w2s_ptr + expert.to(tl.int64) * stride_w2se + pid_n * stride_w2sk
+        else:
+            # Same rounding as the two_launch intermediate, and the dtype the tensor cores take.
+            act = act.to(x_ptr.dtype.element_ty)
         if MUL_WEIGHT:
             w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         out_rows = tl.where(row_ok, pair // OUT_DIV, 0).to(tl.int64)
@@ -225,7 +305,10 @@ if HAVE_TRITON:
         for h0 in range(0, tl.cdiv(H, BK)):
             h_ok = offs_h < H - h0 * BK
             b = tl.load(b_ptrs, mask=n_ok[:, None] & h_ok[None, :], other=0.0)
-            part = tl.dot(act, b, input_precision=PRECISION)  # [BM, BK] fp32
+            if FP8:
+                part = tl.dot(act, b) * (act_s[:, None] * tl.load(w2s_ptrs + h0 * stride_w2sh))
+            else:
+                part = tl.dot(act, b, input_precision=PRECISION)  # [BM, BK] fp32
             if MUL_WEIGHT:
                 part = part * w[:, None]
             tl.atomic_add(o_ptrs, part, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
@@ -239,6 +322,7 @@ def _require_triton() -> None:
 
 
 def _check_weights(w13: torch.Tensor, w2: torch.Tensor, H: int, dtype: torch.dtype, device) -> tuple[int, int]:
+    """Shapes, dtype (``dtype``: the activations', or e4m3 for FP8), device, layout of w13 and w2."""
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 must be [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}")
     E, two_n, h13 = w13.shape
@@ -246,8 +330,6 @@ def _check_weights(w13: torch.Tensor, w2: torch.Tensor, H: int, dtype: torch.dty
     if two_n % 2 or h13 != H or tuple(w2.shape) != (E, H, N):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E, 2N, H={H}] and [E, H={H}, N]")
     for name, t in (("w13", w13), ("w2", w2)):
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise NotImplementedError("FP8 W8A8 (block-scaled) experts are not implemented yet")
         if t.dtype != dtype:
             raise ValueError(f"{name} must have the activations' dtype {dtype}, got {t.dtype}")
         if t.device != device:
@@ -257,6 +339,52 @@ def _check_weights(w13: torch.Tensor, w2: torch.Tensor, H: int, dtype: torch.dty
     return E, N
 
 
+def _is_fp8_weights(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """True for FP8 W8A8 weights; mixed or other float8 formats are not implemented."""
+    fp8 = [t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in (w13, w2)]
+    if not any(fp8):
+        return False
+    if w13.dtype != _FP8 or w2.dtype != _FP8:
+        raise NotImplementedError(f"FP8 experts need both w13 and w2 in {_FP8} (W8A8 with block scales); "
+                                  f"got w13 {w13.dtype} and w2 {w2.dtype}")
+    return True
+
+
+def _check_scale(name: str, s: torch.Tensor | None, shape: tuple, device) -> torch.Tensor:
+    if s is None:
+        raise ValueError(f"{name} is required with FP8 weights/tokens: a float32 tensor of shape {shape}")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != tuple(shape):
+        got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"{name} must be a float32 tensor of shape {tuple(shape)}, got {got}")
+    if s.device != device:
+        raise ValueError(f"{name} is on {s.device} but the activations are on {device}")
+    return s
+
+
+def _fp8_weight_scales(E: int, N: int, H: int, w13_scale, w2_scale, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the FP8 shape constraints and the weight block scales (quantize_blocks(w, 128))."""
+    g = FP8_GROUP
+    if H % g:
+        raise ValueError(f"FP8 needs the hidden size H to be a multiple of {g}, got H={H}")
+    if N % g:
+        raise ValueError(f"FP8 needs the intermediate size N to be a multiple of {g}, got N={N}")
+    w13_scale = _check_scale("w13_scale", w13_scale, (E, 2 * N // g, H // g), device)
+    w2_scale = _check_scale("w2_scale", w2_scale, (E, H // g, N // g), device)
+    return w13_scale, w2_scale
+
+
+def _no_scales(**scales) -> None:
+    for name, s in scales.items():
+        if s is not None:
+            raise ValueError(f"{name} is only for FP8 ({_FP8}) weights/tokens; the inputs are not FP8")
+
+
+def _check_fp8_config(config: KernelConfig) -> None:
+    err = fp8_config_error(config)
+    if err:
+        raise ValueError(f"config is not valid for FP8: {err}")
+
+
 def _precision(dtype: torch.dtype) -> str:
     # float32 inputs: exact float32 products ("ieee"), not tf32, so fp32 runs can be checked
     # to 1e-4 and serve as a precise path; 16-bit inputs use the tensor cores as they are.
@@ -264,18 +392,32 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
-         al: Alignment, out32: torch.Tensor, a_div: int, out_div: int, config: KernelConfig) -> None:
-    """Launch the kernels of ``config`` over alignment ``al``, adding into ``out32``."""
+         al: Alignment, out32: torch.Tensor, a_div: int, out_div: int, config: KernelConfig,
+         scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Launch the kernels of ``config`` over alignment ``al``, adding into ``out32``.
+
+    ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects the FP8 kernels
+    (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones.
+    """
     H = x2d.shape[1]
     N = w2.shape[2]
     num_m = al.max_blocks
     if num_m == 0:
         return
+    fp8 = scales is not None
     prec = _precision(x2d.dtype)
     c = config
     mul_weight = weights is not None
     wptr = weights if mul_weight else out32  # any pointer; never read when MUL_WEIGHT is False
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+    if fp8:
+        xs, w13s, w2s = scales
+        xs_args = (xs, xs.stride(0))
+        w13s_args = (w13s, w13s.stride(0), w13s.stride(1), w13s.stride(2))
+        w2s_args = (w2s, w2s.stride(0), w2s.stride(1), w2s.stride(2))
+    else:  # never read (FP8=False): any pointer and zero strides
+        xs_args, w13s_args, w2s_args = (out32, 0), (out32, 0, 0, 0), (out32, 0, 0, 0)
+    soft = fp8 and _interpreting()
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
@@ -283,32 +425,53 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             al.num_pairs, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
             w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
+            xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, MUL_WEIGHT=mul_weight,
-            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, **launch,
+            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
         )
         return
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
-    inter = torch.empty(al.capacity, N, dtype=x2d.dtype, device=x2d.device)
+    inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=x2d.device)
+    if fp8:
+        inter_s = torch.empty(al.capacity, N // FP8_GROUP, dtype=torch.float32, device=x2d.device)
+        is_args = (inter_s, inter_s.stride(0))
+    else:
+        is_args = (out32, 0)
     grid1 = (num_m * triton.cdiv(N, c.bn),)
     _gemm1_swiglu_kernel[grid1](
         x2d, w13, inter, al.sorted_ids, al.block_expert, al.num_padded,
         al.num_pairs, num_m, H, N,
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        A_DIV=a_div, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, **launch,
+        xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
+        A_DIV=a_div, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
+        **launch,
     )
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
     _gemm2_kernel[grid2](
         inter, w2, out32, wptr, al.sorted_ids, al.block_expert, al.num_padded,
         al.num_pairs, num_m, H, N,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
+        is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, MUL_WEIGHT=mul_weight, PER_SPLIT=triton.cdiv(triton.cdiv(N, c.bk), c.split_k),
-        BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, **launch,
+        BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
 
 
+def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, their [rows, H/128] scales) of 2-D ``a``: quantized here (one Triton launch)
+    when ``a`` is 16/32-bit, validated when it comes already quantized."""
+    rows, H = a.shape
+    if a.dtype == _FP8:
+        return a, _check_scale(scale_name, a_scale, (rows, H // FP8_GROUP), a.device).contiguous()
+    _no_scales(**{scale_name: a_scale})
+    return quantize_groups_triton(a)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, config: KernelConfig | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, config: KernelConfig | None = None, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[M, H] = sum_k topk_weights[:, k] * SwiGLU-expert_{topk_ids[:, k]}(x), in Triton.
 
     x [M, H] fp16/bf16/fp32; w13 [E, 2N, H] (gate rows first, then up) and w2 [E, H, N] of
@@ -316,59 +479,103 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     nothing; ids are not range-checked, to avoid a host sync); topk_weights [M, K] float.
     float32 accumulation; the result has x's dtype. No host sync: usable under CUDA graphs.
     Not bitwise reproducible (float32 atomics, see the module docstring).
+
+    FP8 W8A8: w13, w2 in float8_e4m3fn with ``w13_scale`` [E, 2N/128, H/128] and ``w2_scale``
+    [E, H/128, N/128] (``moekit.fp8.quantize_blocks(w, 128)``); H and N multiples of 128; a
+    config with ``fp8_config_error(config) is None``. x is either 16/32-bit (quantized here
+    per token per 128 columns; the result has x's dtype) or e4m3 with ``x_scale`` [M, H/128]
+    (``quantize_groups(x, 128)``; the result is bf16).
     """
     _require_triton()
+    if x.dim() != 2 or x.dtype not in _SUPPORTED + (_FP8,):
+        raise ValueError(f"x must be a 2-D {_SUPPORTED + (_FP8,)} tensor [M, H], got {tuple(x.shape)} {x.dtype}")
+    fp8 = _is_fp8_weights(w13, w2)
+    if x.dtype == _FP8 and not fp8:
+        raise ValueError(f"x in {_FP8} needs FP8 weights (w13, w2 in {_FP8}), got {w13.dtype}")
     if config is None:
         from moekit.kernels.configs import default_config
         from moekit.shapes import MoEShape
 
         config = default_config(x.shape[0], MoEShape("adhoc", w13.shape[0], topk_ids.shape[1], x.shape[1],
-                                                     w2.shape[2]))
+                                                     w2.shape[2]), dtype=_FP8 if fp8 else torch.bfloat16)
     if not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
-    if x.dim() != 2 or x.dtype not in _SUPPORTED:
-        raise ValueError(f"x must be a 2-D {_SUPPORTED} tensor [M, H], got {tuple(x.shape)} {x.dtype}")
     M, H = x.shape
-    E, N = _check_weights(w13, w2, H, x.dtype, x.device)
+    E, N = _check_weights(w13, w2, H, _FP8 if fp8 else x.dtype, x.device)
+    if fp8:
+        _check_fp8_config(config)
+        w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, x.device)
+    else:
+        _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, x_scale=x_scale)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32/int64 [M={M}, K], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor of shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)} {topk_weights.dtype}")
     K = topk_ids.shape[1]
+    out_dtype = torch.bfloat16 if x.dtype == _FP8 else x.dtype
     x = x.contiguous()
+    scales = None
+    if fp8:
+        x, xs = _fp8_activations(x, x_scale, "x_scale")
+        scales = (xs, w13_scale, w2_scale)
     out32 = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
-        return out32.to(x.dtype)
+        return out32.to(out_dtype)
     al = align_tokens(topk_ids, E, config.bm)
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
-    _run(x, w13, w2, weights, al, out32, a_div=K, out_div=K, config=config)
-    return out32.to(x.dtype)
+    _run(x, w13, w2, weights, al, out32, a_div=K, out_div=K, config=config, scales=scales)
+    return out32.to(out_dtype)
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
-                           w2_local: torch.Tensor, config: KernelConfig | None = None) -> torch.Tensor:
+                           w2_local: torch.Tensor, config: KernelConfig | None = None, *,
+                           w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                           token_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The experts on a Dispatcher's expert-major layout: [E_local, capacity, H] -> same shape.
 
     Row r of expert e gets expert_e(tokens[e, r]) for r < counts[e], unweighted (the
     dispatcher's combine applies the routing weights in slot order). Rows at or past counts[e]
     are zero. float32 accumulation, cast once to the tokens' dtype.
+
+    FP8 W8A8: weights and scales as for :func:`fused_moe`. tokens either 16/32-bit (quantized
+    here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
+    with ``token_scales`` [E_local, capacity, H/128] float32 (the result is bf16).
     """
     _require_triton()
-    if tokens.dim() != 3 or tokens.dtype not in _SUPPORTED:
-        raise ValueError(f"tokens must be a 3-D {_SUPPORTED} tensor [E_local, capacity, H], "
+    if tokens.dim() != 3 or tokens.dtype not in _SUPPORTED + (_FP8,):
+        raise ValueError(f"tokens must be a 3-D {_SUPPORTED + (_FP8,)} tensor [E_local, capacity, H], "
                          f"got {tuple(tokens.shape)} {tokens.dtype}")
     E, cap, H = tokens.shape
-    E_w, N = _check_weights(w13_local, w2_local, H, tokens.dtype, tokens.device)
+    fp8 = _is_fp8_weights(w13_local, w2_local)
+    if tokens.dtype == _FP8 and not fp8:
+        raise ValueError(f"tokens in {_FP8} need FP8 weights (w13_local, w2_local in {_FP8}), got {w13_local.dtype}")
+    E_w, N = _check_weights(w13_local, w2_local, H, _FP8 if fp8 else tokens.dtype, tokens.device)
     if E_w != E:
         raise ValueError(f"tokens has E_local={E} experts but the weights have {E_w}")
     if counts.dim() != 1 or counts.shape[0] != E or counts.device != tokens.device:
         raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
     if config is None:
-        config = KernelConfig(bm=64 if cap >= 64 else 16, bn=64, bk=64)
+        bm = 64 if cap >= 64 else 16
+        config = KernelConfig(bm=bm, bn=128, bk=128) if fp8 else KernelConfig(bm=bm, bn=64, bk=64)
+    if fp8:
+        _check_fp8_config(config)
+        w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
+        if tokens.dtype == _FP8:
+            _check_scale("token_scales", token_scales, (E, cap, H // FP8_GROUP), tokens.device)
+        elif token_scales is not None:
+            raise ValueError(f"token_scales is only for {_FP8} tokens; the tokens are {tokens.dtype}")
+    else:
+        _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
+    out_dtype = torch.bfloat16 if tokens.dtype == _FP8 else tokens.dtype
     out32 = torch.zeros(E * cap, H, dtype=torch.float32, device=tokens.device)
     if E * cap:
+        a = tokens.contiguous().reshape(E * cap, H)
+        scales = None
+        if fp8:
+            ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
+            a, xs = _fp8_activations(a, ts, "token_scales")
+            scales = (xs, w13_scale, w2_scale)
         al = align_expert_major(counts, cap, config.bm)
-        _run(tokens.contiguous().reshape(E * cap, H), w13_local, w2_local, None, al, out32,
-             a_div=1, out_div=1, config=config)
-    return out32.reshape(E, cap, H).to(tokens.dtype)
+        _run(a, w13_local, w2_local, None, al, out32, a_div=1, out_div=1, config=config, scales=scales)
+    return out32.reshape(E, cap, H).to(out_dtype)
