@@ -65,7 +65,27 @@ def cmd_bench_capspill(args) -> int:
     return capspill_main(args.extra)
 
 
+def cmd_bench_kernel(args) -> int:
+    from moekit.bench.kernel import main as kernel_main
+
+    return kernel_main(args.extra)
+
+
+def cmd_bench_lowlatency(args) -> int:
+    from moekit.bench.lowlatency import main as lowlatency_main
+
+    return lowlatency_main(args.extra)
+
+
 def cmd_tax(args) -> int:
+    if args.measure:  # time MoE / DenseFA / DensePA blocks here and check the model (moekit.tax.measure)
+        from moekit.tax.measure import MeasureConfig, format_measure, run_measure
+
+        record = run_measure(MeasureConfig(models=args.model, batch_sizes=args.batch_sizes, hardware=args.hardware,
+                                           configs=args.configs, configs_from=args.configs_from, beta=args.beta,
+                                           iters=args.iters), out_dir=args.out_dir)
+        print(format_measure(record))
+        return 0 if record["results"]["verified"] else 1
     from moekit.tax.report import tax_report
 
     print(tax_report(model=args.model, hardware=args.hardware, n_gpus=args.gpus, out_dir=args.figures,
@@ -120,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc = b.add_parser("capspill", add_help=False,
                       help="MaxCounts vs Eager vs Cap-and-Spill on the Mixtral trace (options: --help)")
     bc.set_defaults(func=cmd_bench_capspill)
+    bk = b.add_parser("kernel", add_help=False,
+                      help="time every fused-MoE kernel config over M and routing skew (options: --help)")
+    bk.set_defaults(func=cmd_bench_kernel)
+    bl = b.add_parser("lowlatency", add_help=False,
+                      help="low-latency EP layer vs all-to-all vs all_to_all_vdev_2d (options: --help)")
+    bl.set_defaults(func=cmd_bench_lowlatency)
 
     x = sub.add_parser("tax", help="the MoE tax model: tau per batch size, dominant tax source, figures")
     x.add_argument("--model", default="mixtral-8x7b")
@@ -127,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--gpus", type=int, default=8)
     x.add_argument("--figures", default=None, help="directory to draw the seed's figures into (PNG)")
     x.add_argument("--json", action="store_true")
+    x.add_argument("--measure", action="store_true", help="time the MoE, DenseFA and DensePA blocks on this device "
+                   "and compare tau with the model (--model may list several, comma-separated)")
+    x.add_argument("--batch-sizes", default=None, help="--measure: comma-separated m (default 1..4096; CPU 1,4,16)")
+    x.add_argument("--out-dir", default="benchmarks/results", help="--measure: JSON record, PNG, hardware file go here")
+    x.add_argument("--configs", type=int, default=6, help="--measure: kernel configs tried per m besides the default")
+    x.add_argument("--configs-from", default=None, help="--measure: JSON of measured best kernel configs per m")
+    x.add_argument("--beta", type=float, default=None, help="--measure: also time routing of this balancedness")
+    x.add_argument("--iters", type=int, default=None, help="--measure: timed replays per block (GPU 100, CPU 3)")
     x.set_defaults(func=cmd_tax)
     return p
 
@@ -135,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # `bench capspill` has its own parser (moekit.bench.capspill): hand it the rest.
     args, extra = parser.parse_known_args(argv)
-    if args.func is not cmd_bench_capspill and extra:
+    if args.func not in (cmd_bench_capspill, cmd_bench_lowlatency, cmd_bench_kernel) and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:

@@ -346,3 +346,98 @@ class PhaseTimer:
             name: [(end - start) / 1e3 for start, end in marks]
             for name, marks in self._marks.items()
         }
+
+
+# ------------------------------------------------------------- GPU work only, cold L2
+
+# A read sweep of this many bytes evicts the L2 of any current GPU (H100 50 MB, H200 60 MB);
+# Triton's do_bench uses the same size.
+DEFAULT_FLUSH_BYTES = 256 * 2**20
+# torch.cuda._sleep counts GPU clock cycles; 2 cycles per ns is about an H100/H200 under load
+# (1.98 GHz). At a lower clock the sleep only lasts longer, which is harmless.
+_SLEEP_CYCLES_PER_US = 2000
+
+
+class L2Flusher:
+    """Evicts the GPU's L2 cache: ``flusher()`` queues a read of a buffer larger than L2.
+
+    A read, not a write: after a write sweep (``buffer.zero_()``) L2 is full of dirty lines,
+    and the next kernel would pay for writing them back to HBM while it runs. After a read
+    sweep the lines are clean and eviction costs nothing. The sum lands in a preallocated
+    scalar, so a flush allocates nothing (and can be queued between graph replays).
+    """
+
+    def __init__(self, nbytes: int = DEFAULT_FLUSH_BYTES, device: torch.device | str | int | None = None):
+        if not isinstance(nbytes, int) or nbytes < 4:
+            raise ValueError(f"nbytes must be an int >= 4, got {nbytes!r}")
+        device = _resolve_device(device)
+        if device.type != "cuda":
+            raise ValueError(f"L2Flusher needs a CUDA device, got {device}")
+        self.nbytes = nbytes
+        self.buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        self._sink = torch.zeros((), dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        torch.sum(self.buffer, dim=0, out=self._sink)
+
+
+def time_cold(
+    fn: Callable[[], object],
+    *,
+    iters: int,
+    warmup: int,
+    capture: bool = True,
+    flush_bytes: int = DEFAULT_FLUSH_BYTES,
+    flusher: L2Flusher | None = None,
+    queue_ahead_us: float = 20.0,
+    device: torch.device | str | int | None = None,
+) -> list[float]:
+    """Time the GPU work of ``fn`` with a cold L2 and no host launch gaps; µs per call.
+
+    On CUDA, each of the ``warmup + iters`` iterations queues, on the current stream:
+
+    1. an L2 flush (a read sweep of ``flush_bytes``, or ``flusher``; ``flush_bytes=0`` and
+       no flusher: none), *outside* the timed region, so data ``fn`` reads (e.g. expert
+       weights) comes from HBM as it would in a model whose other layers evicted it;
+    2. ``torch.cuda._sleep`` for about ``queue_ahead_us`` (0: none), so the host has queued
+       the start event and ``fn``'s work before the GPU reaches them (the flush alone already
+       takes ~60-80 µs on an H200; the sleep is a margin against host stalls);
+    3. start event, ``fn`` (with ``capture=True``: one replay of ``fn`` captured once in a CUDA
+       graph, so a many-kernel ``fn`` is one launch), end event.
+
+    The host never waits inside the loop, so it runs ahead of the GPU: the samples measure
+    GPU time from the first to the last kernel of ``fn``, not the host's ~10 µs per launch.
+    ``fn`` must then be graph-capturable (no host syncs) when ``capture`` is true; pass an
+    already captured ``graph.replay`` with ``capture=False`` to re-time a graph on new data.
+
+    On the CPU (``device`` "cpu", or None without CUDA) there is no cache to flush and no
+    queue: each call is timed with the host clock after ``warmup`` calls.
+    """
+    _check_counts(iters, warmup)
+    if not isinstance(flush_bytes, int) or flush_bytes < 0:
+        raise ValueError(f"flush_bytes must be an int >= 0, got {flush_bytes!r}")
+    if not queue_ahead_us >= 0:
+        raise ValueError(f"queue_ahead_us must be >= 0, got {queue_ahead_us!r}")
+    device = _resolve_device(device)
+    if device.type != "cuda":
+        for _ in range(warmup):
+            fn()
+        return _time_with_host_clock(fn, iters)
+    with torch.cuda.device(device):
+        run = capture_graph(fn, warmup=1).replay if capture else fn
+        if flusher is None and flush_bytes:
+            flusher = L2Flusher(flush_bytes, device)
+        sleep_cycles = int(queue_ahead_us * _SLEEP_CYCLES_PER_US)
+        can_sleep = sleep_cycles > 0 and hasattr(torch.cuda, "_sleep")
+
+        def before_each() -> None:
+            if flusher is not None:
+                flusher()
+            if can_sleep:
+                torch.cuda._sleep(sleep_cycles)
+
+        for _ in range(warmup):
+            before_each()
+            run()
+        # No synchronize here: the queue stays ahead of the GPU into the timed iterations.
+        return _time_with_events(run, iters, device, before_each=before_each)
