@@ -6,7 +6,8 @@ Two references, both built from the dequantized inputs the kernel sees (e4m3 wei
 * ``_emulated``: also re-quantizes the SwiGLU output per row per 128 columns, as the kernel
   does before the down-projection. With a float32 output the kernel should match it to float32
   rounding (a few 1e-7 measured; 1e-4 leaves room for an occasional e4m3 rounding flip of one
-  intermediate element, which float32 vs float64 SwiGLU values can cause).
+  intermediate element, which float32 vs float64 SwiGLU values can cause). Natively on a GPU the
+  bound is 1e-3 (Hopper's reduced-precision fp8 accumulation; see ``EMU_TOL``).
 * ``reference_moe`` on the dequantized weights and activations (no intermediate quantization):
   DeepEP's ``calc_diff`` must stay below 1e-3, the issue's acceptance bound.
 
@@ -20,6 +21,8 @@ that); shapes are the smallest that give several scale blocks in each dimension.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -37,7 +40,15 @@ from moekit.shapes import MoEShape  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 SHAPE = MoEShape("tiny-fp8", num_experts=4, top_k=2, hidden=256, intermediate=256)
-EMU_TOL = 1e-4  # float32 output vs the emulated reference (relative Frobenius error)
+# float32 output vs the emulated reference (relative Frobenius error). In the interpreter the fp8
+# dot is exact, so only float32 rounding (and a rare e4m3 flip of one intermediate) is left: 1e-4.
+# Natively on Hopper each 128-deep fp8 dot accumulates in the tensor cores' reduced-precision
+# accumulator (about 14 mantissa bits, DeepSeek-V3 report section 3.3.2; see docs/kernel.md), so
+# each chunk's sum carries ~1e-4 relative error before the float32 promotion; measured up to 3.4e-4
+# on an H200. 1e-3 covers that, and a scale on the wrong block (magnitudes spread over
+# 2**-2 .. 2**2) still gives errors of order 1.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+EMU_TOL = 1e-4 if INTERPRETED else 1e-3
 CALC_DIFF_MAX = 1e-3  # vs the unquantized-intermediate reference (the issue's bound)
 
 # A sample of both forms: every bm, bn 128 and 256 (spanning two weight scale blocks), split-K
