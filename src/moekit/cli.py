@@ -78,6 +78,12 @@ def cmd_bench_lowlatency(args) -> int:
 
 
 def cmd_tax(args) -> int:
+    if args.recompare:  # the model side of a saved --measure record, with other hardware numbers
+        from moekit.tax.measure import format_recompare, recompare
+
+        print(format_recompare(recompare(args.recompare, hbm_bw=args.hbm_bw and args.hbm_bw * 1e9,
+                                         peak_flops=args.peak_tflops and args.peak_tflops * 1e12)))
+        return 0
     if args.measure:  # time MoE / DenseFA / DensePA blocks here and check the model (moekit.tax.measure)
         from moekit.tax.measure import MeasureConfig, format_measure, run_measure
 
@@ -161,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--configs-from", default=None, help="--measure: JSON of measured best kernel configs per m")
     x.add_argument("--beta", type=float, default=None, help="--measure: also time routing of this balancedness")
     x.add_argument("--iters", type=int, default=None, help="--measure: timed replays per block (GPU 100, CPU 3)")
+    x.add_argument("--recompare", default=None, metavar="FILE", help="recompute the model side of a --measure record")
+    x.add_argument("--hbm-bw", type=float, default=None, help="--recompare: HBM GB/s (default: the record's)")
+    x.add_argument("--peak-tflops", type=float, default=None, help="--recompare: matmul TFLOP/s (default: the record's)")
     x.set_defaults(func=cmd_tax)
     return p
 

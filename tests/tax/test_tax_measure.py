@@ -237,3 +237,72 @@ def test_cli_measure(tmp_path, capsys):
     assert math.isfinite(point["tau_measured"]) and point["candidates"][0]["median_us"] is None  # no choice
     parts = point["breakdown_us"]
     assert set(parts) == {"router", "experts"} and all(v > 0 for v in parts.values())
+
+
+# --------------------------------------------------------------------------- recompare
+
+
+def test_recompare_with_the_records_hardware_reproduces_its_model(run):
+    record, _ = run
+    rows = tm.recompare(record["paths"]["json"])
+    points = [(label, p) for label, rres in record["results"]["models"]["tiny-shared"]["routings"].items()
+              for p in rres["points"]]
+    assert [(r["routing"], r["m"]) for r in rows] == [(label, p["m"]) for label, p in points]
+    for r, (_, p) in zip(rows, points):
+        assert r["tau_measured"] == p["tau_measured"]
+        # Mean E_active and eta stand in for the ids: exact unless the sets straddle the ridge,
+        # which moves tau by less than the spread of the two roofline sides.
+        assert r["tau_model"] == pytest.approx(p["model"]["tau"], rel=0.05)
+        assert r["model_drift"] == pytest.approx(r["tau_model"] / p["model"]["tau"] - 1, abs=1e-12)
+        assert r["error"] == pytest.approx(r["tau_model"] / r["tau_measured"] - 1)
+        assert r["regime"] in REGIMES
+
+
+def test_recompare_with_other_hardware_follows_the_roofline(run):
+    record, _ = run
+    res = record["results"]
+    old = res["hardware"]
+    new = {"hbm_bw": old["hbm_bw"] * 3.0, "peak_flops": old["peak_flops"] / 2.0}
+    rows = tm.recompare(record, hbm_bw=new["hbm_bw"], peak_flops=new["peak_flops"])
+    elem = torch.empty((), dtype=DTYPE).element_size()
+    k_s = TINY.num_shared_experts * TINY.shared_intermediate / TINY.intermediate
+    by_key = {(r["routing"], r["m"]): r for r in rows}
+    for label, rres in res["models"]["tiny-shared"]["routings"].items():
+        for p in rres["points"]:
+            m, mod, r = p["m"], p["model"], by_key[label, p["m"]]
+            mk = m * TINY.top_k
+            # T_anc: the recorded launch part plus its HBM traffic at the new bandwidth.
+            traffic = elem * m * TINY.hidden * (TINY.top_k + 2)
+            anc = mod["t_anc_us"] * 1e-6 - traffic / old["hbm_bw"] + traffic / new["hbm_bw"]
+            moe = _roofline(TINY, new, mod["e_active"] + k_s, mod["eta"] * mk + k_s * m, elem) + anc
+            fa = _roofline(TINY, new, TINY.top_k + k_s, m * (TINY.top_k + k_s), elem)
+            assert r["tau_model"] == pytest.approx(moe / fa, rel=1e-9)
+            assert r["t_densefa_error"] == pytest.approx(fa * 1e6 / p["t_densefa_us"]["median"] - 1, rel=1e-9)
+            assert r["hbm_bw"] == new["hbm_bw"] and r["peak_flops"] == new["peak_flops"]
+
+
+def test_recompare_rejects_bad_input(run, tmp_path):
+    record, _ = run
+    for bad in (0.0, -1.0, float("nan"), "4199"):
+        with pytest.raises(ValueError, match="hbm_bw"):
+            tm.recompare(record, hbm_bw=bad)
+    with pytest.raises(ValueError, match="peak_flops"):
+        tm.recompare(record, peak_flops=0)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"kind": "kernel", "results": {}}))
+    with pytest.raises(ValueError, match="record"):
+        tm.recompare(str(other))
+    with pytest.raises(ValueError, match="record"):
+        tm.recompare(str(tmp_path / "missing.json"))
+
+
+def test_cli_recompare(run, capsys):
+    from moekit.cli import main
+
+    record, _ = run
+    hbm = record["results"]["hardware"]["hbm_bw"] * 2 / 1e9
+    assert main(["tax", "--recompare", record["paths"]["json"], "--hbm-bw", str(hbm)]) == 0
+    text = capsys.readouterr().out
+    rows = tm.recompare(record, hbm_bw=hbm * 1e9)
+    assert text.count("| 1 |") == 2 and text.count("| 4 |") == 2 and "tiny-shared, routing beta=0.6" in text
+    assert f"{rows[0]['tau_model']:.2f}" in text and f"HBM {hbm:.0f} GB/s" in text

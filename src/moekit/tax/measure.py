@@ -320,15 +320,20 @@ def time_replays(replays: Sequence[Callable[[], object]], iters: int, warmup: in
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, copy_bytes: int, matmul_n: int,
                      timer: _Timer, iters: int) -> dict:
-    """HBM copy bandwidth (bytes/s, read + write counted) and dense matmul FLOP/s at
-    matmul_n^3 on random data, the medians of ``iters`` timed runs each."""
+    """HBM copy bandwidth (bytes/s, read + write counted, by an SM kernel) and dense matmul
+    FLOP/s at matmul_n^3 on random data, the medians of ``iters`` timed runs each."""
     from ..bench.stats import summarize
 
     gen = torch.Generator(device=device).manual_seed(12345)
     n_elem = copy_bytes // 4
     src = torch.rand(n_elem, generator=gen, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy_us = summarize(timer([lambda d=dst, s=src: d.copy_(s)], iters))
+    # Not dst.copy_(src): captured in a CUDA graph a same-device copy becomes a memcpy node,
+    # run by a copy engine, which on an H200 reached 2.76 TB/s (this run's first records)
+    # against 4.2 TB/s for an SM kernel (``moekit bench kernel``, eager). The blocks the model
+    # describes read their weights with SM kernels, so the ceiling must be an SM kernel too:
+    # an elementwise multiply by 1.0 reads src and writes dst once each (read + write counted).
+    copy_us = summarize(timer([lambda d=dst, s=src: torch.mul(s, 1.0, out=d)], iters))
     del src, dst
     n = matmul_n
     a = torch.randn(n, n, generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -876,6 +881,122 @@ def _verify_dense(x, w13, w2) -> float:
     gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2:]
     ref = (gate * torch.sigmoid(gate) * up) @ w2.to(torch.float64).t()
     return _rel_err(y, ref)
+
+
+# --------------------------------------------------------------------------- recompare
+
+
+def load_record(record) -> dict:
+    """A ``tax-measure`` record: the dict itself, or read (``json`` only) from a path."""
+    import json
+
+    if isinstance(record, dict):
+        data = record
+    else:
+        try:
+            with open(record, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise ValueError(f"record: cannot read {record} ({exc})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"record: {record} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") != "tax-measure" or "results" not in data:
+        raise ValueError("record must be a tax-measure record (kind 'tax-measure', as run_measure writes)")
+    return data
+
+
+def predict_from_summary(shape: MoEShape, hw: Hardware, m: int, block_size: int, e_active: float,
+                         eta: float, elem: int) -> TaxPoint:
+    """:func:`predict` from the routing's summary (mean E_active and mean padding eta over
+    the timed input sets) instead of the ids, which a record does not keep.
+
+    The same TaxModel and the same TP+TP terms (eq. 4 at n = 1, T_anc, the regime logic of
+    ``TaxModel._finish``). Both roofline sides are linear in E_active and eta and every set
+    has m*K pairs, so the mean memory and compute sides are exact; only the max of the two
+    is taken after averaging rather than per set, which differs where the sets straddle the
+    ridge (:func:`recompare` reports the difference on the record's own hardware).
+    """
+    tm = TaxModel(shape, hw, n_gpus=1, padding="blockwise", block_size=block_size, f=1.0,
+                  weight_bytes=elem, act_bytes=elem)
+    k_s, mk = tm.costs.k_shared, m * shape.top_k
+    t_full, mem, comp = tm._roofline(e_active + k_s, eta * mk + k_s * m)
+    t_nopad, _, _ = tm._roofline(e_active + k_s, mk + k_s * m)
+    anc = tm.ancillary(m)
+    t_other, _ = tm.other_times(m, "decode")
+    parts = dict(
+        t_moe=float(t_full) + anc + tm.allreduce(m), t_other_moe=t_other,
+        steps={"padding": float(t_full - t_nopad), "ancillary": anc},
+        moe_mem=float(mem), moe_comp=float(comp), e_active=float(e_active), eta=float(eta),
+        straggler=1.0, padded_straggler=float(eta), block=block_size, moe_compute=float(t_full),
+    )
+    return tm._finish(m, "decode", "TP+TP", parts)
+
+
+def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = None) -> list[dict]:
+    """The model side of a saved ``tax-measure`` record, recomputed with other hardware
+    numbers (bytes/s, FLOP/s; None keeps the record's), against the measured times.
+
+    One row per model, routing and m: measured tau, model tau, error (model / measured - 1),
+    the model's regime, its T_MoE and T_DenseFA errors, and ``model_drift``: how far this
+    recomputation lands from the record's own prediction when run with the record's
+    hardware (0 up to rounding unless the input sets straddle the roofline ridge).
+    """
+    data = load_record(record)
+    res = data["results"]
+    for name, value in (("hbm_bw", hbm_bw), ("peak_flops", peak_flops)):
+        if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    base = res["hardware"]
+    recorded = Hardware(name=base["name"], hbm_bw=float(base["hbm_bw"]), peak_flops=float(base["peak_flops"]),
+                        net_bw=float(base["net_bw"]), net_latency=float(base["net_latency"]))
+    hw = with_overrides(recorded, **{k: float(v) for k, v in (("hbm_bw", hbm_bw), ("peak_flops", peak_flops))
+                                     if v is not None})
+    elem = _elem(getattr(torch, data["params"]["dtype"].removeprefix("torch.")))
+    rows = []
+    for name, mres in res["models"].items():
+        shape = MoEShape(**mres["shape"])
+        for label, rres in mres["routings"].items():
+            for p in rres["points"]:
+                m, mod = p["m"], p["model"]
+                args = (shape, m, mod["block_size"], mod["e_active"], mod["eta"], elem)
+                point = predict_from_summary(args[0], hw, *args[1:])
+                again = predict_from_summary(args[0], recorded, *args[1:])
+                t_moe, t_fa = p["t_moe_us"]["median"], p["t_densefa_us"]["median"]
+                rows.append({
+                    "model": name, "routing": label, "m": m, "config_id": p.get("config_id"),
+                    "tau_measured": p["tau_measured"], "tau_model": point.tau,
+                    "error": point.tau / p["tau_measured"] - 1.0, "regime": point.regime,
+                    "t_moe_error": point.t_moe * 1e6 / t_moe - 1.0, "t_densefa_error": point.t_dense * 1e6 / t_fa - 1.0,
+                    "tau_densepa_measured": p["tau_densepa_measured"], "tau_densepa_model": point.tau_densepa,
+                    "hbm_bw": hw.hbm_bw, "peak_flops": hw.peak_flops,
+                    "model_drift": again.tau / mod["tau"] - 1.0,
+                })
+    return rows
+
+
+def format_recompare(rows: list[dict]) -> str:
+    """Markdown tables of :func:`recompare` rows, one per model and routing, with the verdict."""
+    if not rows:
+        return "no points"
+    lines = [f"model recomputed with HBM {rows[0]['hbm_bw'] / 1e9:.0f} GB/s, "
+             f"{rows[0]['peak_flops'] / 1e12:.0f} TFLOP/s; error = model / measured - 1"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["routing"]), []).append(r)
+    for (name, label), rs in groups.items():
+        lines += ["", f"{name}, routing {label}", "",
+                  "| m | τ measured | τ model | error | regime | T_MoE err | T_DenseFA err |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['m']} | {r['tau_measured']:.2f} | {r['tau_model']:.2f} | {100 * r['error']:+.0f}% | "
+                  f"{r['regime']} | {100 * r['t_moe_error']:+.0f}% | {100 * r['t_densefa_error']:+.0f}% |"
+                  for r in rs]
+        worst = max(rs, key=lambda r: abs(r["error"]))
+        inside = sum(abs(r["error"]) <= ERROR_TARGET for r in rs)
+        lines.append(f"\n{inside}/{len(rs)} points within {100 * ERROR_TARGET:.0f}%; largest "
+                     f"{100 * worst['error']:+.0f}% at m={worst['m']}; max drift from the record's own model "
+                     f"{100 * max(abs(r['model_drift']) for r in rs):.2g}%")
+    return "\n".join(lines)
+
 
 
 # --------------------------------------------------------------------------- output
