@@ -408,17 +408,9 @@ def load_config_hints(path: str, shape: MoEShape) -> dict[int, list]:
     if it also names ``model`` or ``shape``, it must be this shape's name. A malformed file
     or config raises ValueError naming the file.
     """
-    import json
-
     from moekit.kernels.configs import KernelConfig
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read kernel-config hints ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    data = _read_json(path, "kernel-config hints")
     fields = {f.name for f in dataclasses.fields(KernelConfig)}
     base = shape.name.removesuffix("-tiny")
     hints: dict[int, list] = {}
@@ -888,18 +880,10 @@ def _verify_dense(x, w13, w2) -> float:
 
 def load_record(record) -> dict:
     """A ``tax-measure`` record: the dict itself, or read (``json`` only) from a path."""
-    import json
-
     if isinstance(record, dict):
         data = record
     else:
-        try:
-            with open(record, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise ValueError(f"record: cannot read {record} ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"record: {record} is not valid JSON ({exc})") from None
+        data = _read_json(record, "a tax-measure record")
     if not isinstance(data, dict) or data.get("kind") != "tax-measure" or "results" not in data:
         raise ValueError("record must be a tax-measure record (kind 'tax-measure', as run_measure writes)")
     return data
@@ -1103,3 +1087,16 @@ def measure_figure(record: dict, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _read_json(path, what: str):
+    """JSON (never pickle) from ``path``; a ValueError naming the file when it cannot be read."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read {what} ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
