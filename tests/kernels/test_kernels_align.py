@@ -1,10 +1,15 @@
-"""Token alignment against a plain Python reference (torch only; no Triton needed)."""
+"""Token alignment against a plain Python reference: the torch ops and the Triton kernels.
+
+The Triton kernels run in the interpreter on CPU (tests/kernels/__init__.py sets it), so the
+sizes stay small; the GPU run of this file covers the compiled kernels.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moekit.kernels import align as align_mod
 from moekit.kernels.align import align_expert_major, align_tokens, padded_capacity
 from moekit.routing.generate import synthetic_routing
 
@@ -24,8 +29,21 @@ def _reference(ids: torch.Tensor, E: int, bm: int) -> tuple[list[int], list[int]
     return rows, blocks
 
 
-def _check(ids, E, bm):
-    al = align_tokens(ids, E, bm)
+IMPLS = ["torch"] + (["triton"] if align_mod.HAVE_TRITON else [])
+
+
+@pytest.fixture(params=IMPLS)
+def align(request):
+    return getattr(align_mod, f"align_tokens_{request.param}")
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check(ids, E, bm, align=align_tokens):
+    ids = ids.to(_device())
+    al = align(ids, E, bm)
     M, K = ids.shape
     rows, blocks = _reference(ids, E, bm)
     n = int(al.num_padded)
@@ -45,34 +63,61 @@ def _check(ids, E, bm):
 
 @pytest.mark.parametrize("bm", [16, 32, 64, 128])
 @pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_align_matches_reference(bm, beta):
+def test_align_matches_reference(align, bm, beta):
     ids, _ = synthetic_routing(37, 8, 2, beta=beta, seed=bm)
-    _check(ids, 8, bm)
+    _check(ids, 8, bm, align)
 
 
-def test_align_masked_slots_and_empty_experts():
+def test_align_masked_slots_and_empty_experts(align):
     ids = torch.tensor([[0, -1], [3, 0], [-1, -1], [3, 5]])
-    _check(ids, 8, 16)  # experts 1, 2, 4, 6, 7 are empty
-    al = align_tokens(ids, 8, 16)
-    assert int(al.num_padded) == 3 * 16
+    _check(ids, 8, 16, align)  # experts 1, 2, 4, 6, 7 are empty
+    assert int(align(ids.to(_device()), 8, 16).num_padded) == 3 * 16
 
 
-def test_align_all_masked_and_single_token():
-    _check(torch.full((3, 2), -1), 4, 16)
-    _check(torch.tensor([[2]]), 4, 16)
-    _check(torch.tensor([[1, 0, 3]], dtype=torch.int32), 4, 32)
+def test_align_all_masked_and_single_token(align):
+    _check(torch.full((3, 2), -1), 4, 16, align)
+    _check(torch.tensor([[2]]), 4, 16, align)
+    _check(torch.tensor([[1, 0, 3]], dtype=torch.int32), 4, 32, align)
 
 
-def test_align_exact_multiple_needs_no_padding():
-    ids = torch.zeros(16, 1, dtype=torch.int64)
-    al = align_tokens(ids, 2, 16)
+def test_align_exact_multiple_needs_no_padding(align):
+    al = align(torch.zeros(16, 1, dtype=torch.int64, device=_device()), 2, 16)
     assert int(al.num_padded) == 16 and al.sorted_ids[:16].tolist() == list(range(16))
 
 
-def test_align_upper_bound_is_tight_when_every_expert_has_one_pair():
-    ids = torch.arange(8).reshape(8, 1)
-    al = align_tokens(ids, 8, 16)
+def test_align_upper_bound_is_tight_when_every_expert_has_one_pair(align):
+    al = align(torch.arange(8, device=_device()).reshape(8, 1), 8, 16)
     assert int(al.num_padded) == al.capacity == 8 * 16
+
+
+@pytest.mark.parametrize("M,K,E,bm", [(700, 3, 20, 16), (300, 8, 256, 64), (129, 8, 61, 128)])
+def test_align_many_chunks_and_many_experts(align, M, K, E, bm):
+    # M*K > 1024 gives the Triton path several chunks (running offsets across chunks); E = 256
+    # needs 512 histogram bins; skewed routing leaves experts empty; -1 slots sprinkled in.
+    ids, _ = synthetic_routing(M, E, K, beta=0.3, seed=M)
+    ids[torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.1] = -1
+    _check(ids, E, bm, align)
+
+
+@pytest.mark.skipif(not align_mod.HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("seed", range(3))
+def test_align_triton_equals_torch(seed):
+    g = torch.Generator().manual_seed(seed)
+    M = int(torch.randint(1, 400, (1,), generator=g))
+    ids = torch.randint(-1, 32, (M, 4), generator=g).to(_device())
+    a, b = align_mod.align_tokens_triton(ids, 32, 32), align_mod.align_tokens_torch(ids, 32, 32)
+    assert torch.equal(a.sorted_ids, b.sorted_ids)
+    assert torch.equal(a.block_expert, b.block_expert)
+    assert torch.equal(a.num_padded, b.num_padded)
+
+
+def test_align_rejects_bad_arguments(align):
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        align(torch.zeros(4, dtype=torch.int64), 8, 16)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        align(torch.zeros(4, 2), 8, 16)
+    with pytest.raises(ValueError, match="bm"):
+        align(torch.zeros(4, 2, dtype=torch.int64), 8, 0)
 
 
 def test_align_expert_major():

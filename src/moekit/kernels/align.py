@@ -14,8 +14,24 @@ most ``bm - 1`` rows), so the grid can be launched at ``capacity // bm`` blocks 
 anything back to the host (no sync, CUDA-graph friendly); blocks past ``num_padded`` exit at
 once. Masked slots (id -1) are left out.
 
-Written with torch ops (a stable sort, a scatter-add histogram, cumsums and a searchsorted):
-each is one or a few device kernels with shapes fixed by (M, K, E, bm).
+Two implementations with the same output, bit for bit:
+
+* :func:`align_tokens_triton`, the one :func:`align_tokens` uses wherever Triton runs (GPU, or
+  the CPU interpreter): one or two launches. At decode sizes alignment is pure launch overhead, and
+  the torch version's ~10 small kernels cost more than the expert GEMMs of a one-token batch
+  (measured on H200: 63-75 us of a 104 us call at M = 1, docs/kernel.md). Up to ``_MAX_SCAN``
+  pairs (M <= 128 at top-8) it is one launch of one program, which does all of the below
+  itself; above that:
+  1. ``_count_chunks``: one program per chunk of ``SCAN`` pairs writes the chunk's expert
+     histogram and fills a slice of ``sorted_ids`` with the sentinel.
+  2. ``_scatter_chunks``: every program sums the histograms (the totals give each expert's
+     padded start; the chunks before its own give the running offset), sorts its chunk by
+     (expert, position) with ``tl.sort`` so the order inside an expert stays (token, slot),
+     and scatters the pair ids to their rows; it also writes a slice of ``block_expert``.
+  Stream order separates the sentinel fill from the scatter; no atomics, so the result is
+  deterministic.
+* :func:`align_tokens_torch`: torch ops (a stable sort, a scatter-add histogram, cumsums and
+  a searchsorted), used where Triton is missing, and a second implementation for the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +39,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from moekit.kernels.quant import interpreting
+
+try:  # Triton is optional: the package imports without it (align_tokens then uses torch).
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = tl = None
+    HAVE_TRITON = False
 
 
 @dataclass
@@ -50,16 +77,172 @@ def padded_capacity(num_pairs: int, num_experts: int, bm: int) -> int:
     return -(-bound // bm) * bm
 
 
+def _check_align_args(topk_ids: torch.Tensor, num_experts: int, bm: int) -> None:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [M, K], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if bm < 1:
+        raise ValueError(f"bm must be >= 1, got {bm}")
+
+
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     """Sort the pairs of ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
 
     Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
+    validates, see ``moekit.ep.dispatcher.validate_routing``). Runs the Triton kernels where
+    Triton can run on the ids' device, else the torch ops; both give the same tensors.
+    """
+    if HAVE_TRITON and (topk_ids.is_cuda or interpreting()):
+        return align_tokens_triton(topk_ids, num_experts, bm)
+    return align_tokens_torch(topk_ids, num_experts, bm)
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+_MAX_SCAN = 1024  # pairs per chunk: one tl.sort of this size per program
+_BLOCK_TILE = 32  # blocks per step of the block_expert search (a [32, bins] compare)
+_FILL = 1024  # sentinel stores per step
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _chunk_keys(ids_ptr, chunk, num_pairs, num_experts, SCAN: tl.constexpr):
+        """Pair positions and expert ids of chunk ``chunk``; valid False past the end and on -1."""
+        pos = chunk * SCAN + tl.arange(0, SCAN)
+        e = tl.load(ids_ptr + pos, mask=pos < num_pairs, other=-1).to(tl.int32)
+        valid = (e >= 0) & (e < num_experts)
+        return pos, e, valid
+
+    @triton.jit
+    def _fill_sentinel(sorted_ptr, lo, hi, num_pairs, FILL: tl.constexpr, FILL_STEPS: tl.constexpr):
+        """sorted_ids[lo:hi] = num_pairs (the padding sentinel)."""
+        for step in range(FILL_STEPS):
+            rows = lo + step * FILL + tl.arange(0, FILL)
+            tl.store(sorted_ptr + rows, tl.full([FILL], 0, tl.int32) + num_pairs, mask=rows < hi)
+
+    # The int arguments are sizes that change with M; specializing on them (==1, %16) would only
+    # multiply the compiled variants.
+    @triton.jit(do_not_specialize=["num_pairs", "num_experts", "cap", "fill_per_prog"])
+    def _count_chunks(ids_ptr, hist_ptr, sorted_ptr, num_pairs, num_experts, cap, fill_per_prog,
+                      SCAN: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr, FILL_STEPS: tl.constexpr):
+        """Program c: histogram of chunk c -> hist[c, :]; sentinel into its slice of sorted_ids."""
+        c = tl.program_id(0)
+        _, e, valid = _chunk_keys(ids_ptr, c, num_pairs, num_experts, SCAN)
+        tl.store(hist_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(tl.where(valid, e, 0), BINS, mask=valid))
+        lo = c * fill_per_prog
+        _fill_sentinel(sorted_ptr, lo, tl.minimum(lo + fill_per_prog, cap), num_pairs, FILL, FILL_STEPS)
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_chunks", "bm", "cap", "num_blocks",
+                                   "blocks_per_prog"])
+    def _scatter_chunks(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                        num_pairs, num_experts, num_chunks, bm, cap, num_blocks, blocks_per_prog,
+                        SCAN: tl.constexpr, BINS: tl.constexpr, CHUNK_STEPS: tl.constexpr,
+                        BLOCK_TILE: tl.constexpr, BLOCK_STEPS: tl.constexpr,
+                        ONE_CHUNK: tl.constexpr, FILL: tl.constexpr, FILL_STEPS: tl.constexpr):
+        """Program c: rows of chunk c's pairs, and block_expert for blocks of its slice.
+
+        ONE_CHUNK (a single program, the decode sizes): the whole alignment in this one launch;
+        the histogram is the program's own and it fills the sentinel itself, before a barrier
+        that orders those stores ahead of the scatter's (hist_ptr is then not read).
+        """
+        c = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        pos, e, valid = _chunk_keys(ids_ptr, c, num_pairs, num_experts, SCAN)
+        own = tl.histogram(tl.where(valid, e, 0), BINS, mask=valid)
+        if ONE_CHUNK:
+            total = own
+            before = tl.zeros([BINS], tl.int32)
+            _fill_sentinel(sorted_ptr, 0, cap, num_pairs, FILL, FILL_STEPS)
+            tl.debug_barrier()
+        else:
+            total = tl.zeros([BINS], tl.int32)
+            before = tl.zeros([BINS], tl.int32)  # pairs of each expert in the chunks before c
+            for j in range(CHUNK_STEPS):
+                h = tl.load(hist_ptr + j * BINS + bins, mask=j < num_chunks, other=0)
+                total += h
+                before += tl.where(j < c, h, 0)
+        counts = tl.where(bins < num_experts, total, 0)
+        padded = (counts + bm - 1) // bm * bm
+        pend = tl.cumsum(padded, 0)
+        pstart = pend - padded
+
+        # Scatter. Sorting (expert, position) keys puts the chunk's pairs in their final
+        # relative order; sorted index s of a pair of expert e is its rank in the chunk among
+        # pairs of experts <= e, so its row is pstart[e] + before[e] + (s - first[e]), where
+        # first[e] = the chunk's pairs of experts < e. Invalid slots get key BINS - 1 >= E.
+        key = tl.where(valid, e, BINS - 1) * SCAN + (pos - c * SCAN)
+        key = tl.sort(key)
+        e_s = key // SCAN
+        pair = c * SCAN + key % SCAN
+        first = tl.cumsum(own, 0) - own
+        base = pstart + before - first
+        row = tl.gather(base, e_s, 0) + tl.arange(0, SCAN)
+        tl.store(sorted_ptr + row, pair, mask=e_s < num_experts)
+
+        # block_expert for blocks b of this program's slice: the expert whose padded segment
+        # holds row b * bm is the number of experts ending at or before it (-1 past the end).
+        pend_blocks = tl.where(bins < num_experts, pend // bm, num_blocks + 1)
+        for step in range(BLOCK_STEPS):
+            b = c * blocks_per_prog + step * BLOCK_TILE + tl.arange(0, BLOCK_TILE)
+            ok = (b < (c + 1) * blocks_per_prog) & (b < num_blocks)
+            eb = tl.sum((pend_blocks[None, :] <= b[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, tl.where(eb < num_experts, eb, -1), mask=ok)
+        if c == 0:
+            tl.store(num_padded_ptr, tl.sum(padded))
+
+
+def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
+    """:func:`align_tokens` in two Triton launches (see the module docstring)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("moekit.kernels needs Triton: pip install 'moekit[triton]'")
+    _check_align_args(topk_ids, num_experts, bm)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    cap = padded_capacity(num_pairs, num_experts, bm)
+    num_blocks = cap // bm
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)  # written by the kernel: no memset
+    al = Alignment(sorted_ids, block_expert, num_padded, bm, num_pairs)
+    if num_pairs == 0:
+        num_padded.zero_()
+        return al
+    # Trip counts are constexpr (the interpreter cannot loop over a run-time argument), rounded
+    # up to powers of two so that a run of batch sizes shares a few compiled variants.
+    scan = min(_MAX_SCAN, _pow2_at_least(num_pairs, 16))
+    chunks = -(-num_pairs // scan)
+    bins = _pow2_at_least(num_experts + 1, 16)  # one spare bin: invalid slots sort after every expert
+    fill_per_prog = -(-cap // chunks)
+    blocks_per_prog = -(-num_blocks // chunks)
+    ids = topk_ids.contiguous()
+    one = chunks == 1
+    hist = torch.empty(chunks if not one else 1, bins, dtype=torch.int32, device=device)
+    fill = dict(FILL=_FILL, FILL_STEPS=_pow2_at_least(-(-(cap if one else fill_per_prog) // _FILL)))
+    if not one:
+        _count_chunks[(chunks,)](ids, hist, sorted_ids, num_pairs, num_experts, cap, fill_per_prog,
+                                 SCAN=scan, BINS=bins, **fill, num_warps=4)
+    _scatter_chunks[(chunks,)](ids, hist, sorted_ids, block_expert, num_padded,
+                               num_pairs, num_experts, chunks, bm, cap, num_blocks, blocks_per_prog,
+                               SCAN=scan, BINS=bins, CHUNK_STEPS=_pow2_at_least(chunks),
+                               BLOCK_TILE=_BLOCK_TILE,
+                               BLOCK_STEPS=_pow2_at_least(-(-blocks_per_prog // _BLOCK_TILE)),
+                               ONE_CHUNK=one, **fill, num_warps=4 if scan <= 256 else 8)
+    return al
+
+
+def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
+    """:func:`align_tokens` in torch ops (several small kernels). Sort the pairs of ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
+
+    Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
     validates, see ``moekit.ep.dispatcher.validate_routing``).
     """
-    if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be [M, K], got shape {tuple(topk_ids.shape)}")
-    if bm < 1:
-        raise ValueError(f"bm must be >= 1, got {bm}")
+    _check_align_args(topk_ids, num_experts, bm)
     device = topk_ids.device
     E = num_experts
     num_pairs = topk_ids.numel()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The fused-kernel GPU tests in one device call on nvidia-h200 (~4-6 minutes, mostly compiles).
+#
+# Runs, as parallel processes on the one GPU (compiles dominate, so they spread over the cores):
+#   * tests/gpu/test_align_gpu.py and tests/kernels natively (compiled kernels, not the interpreter);
+#   * tests/gpu/test_fused_moe_gpu.py (every bf16 config) in $SHARDS interleaved shards;
+#   * tests/gpu/test_fused_moe_fp8_gpu.py (every FP8 config) in $SHARDS shards;
+#   * tests/gpu/test_kernel_bench_gpu.py (the bench's timing helpers).
+# Writes one file, $OUT/gpu-tests-<commit>.txt: every process's log, one after another, then a
+# summary line per process. Exit status: non-zero if any process failed.
+# Usage (device machine, repo root): MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/kernel_tests.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SHARDS=${SHARDS:-4}
+commit=${MOEKIT_GIT_COMMIT:-unknown}
+logs=$(mktemp -d)
+pytest_args=(-q -rf -p no:cacheprovider --tb=short)
+declare -A pids
+python3 -m pytest tests/gpu/test_align_gpu.py tests/kernels "${pytest_args[@]}" > "$logs/native.txt" 2>&1 &
+pids[native]=$!
+python3 -m pytest tests/gpu/test_kernel_bench_gpu.py "${pytest_args[@]}" -s > "$logs/bench.txt" 2>&1 &
+pids[bench]=$!
+for i in $(seq 0 $((SHARDS - 1))); do
+  MOEKIT_GPU_SHARD=$i/$SHARDS python3 -m pytest tests/gpu/test_fused_moe_gpu.py "${pytest_args[@]}" \
+    > "$logs/bf16_$i.txt" 2>&1 &
+  pids[bf16_$i]=$!
+  MOEKIT_GPU_SHARD=$i/$SHARDS python3 -m pytest tests/gpu/test_fused_moe_fp8_gpu.py "${pytest_args[@]}" -s \
+    > "$logs/fp8_$i.txt" 2>&1 &
+  pids[fp8_$i]=$!
+done
+status=0
+summary=""
+for name in "${!pids[@]}"; do
+  wait "${pids[$name]}"; rc=$?
+  [ $rc -ne 0 ] && status=1
+  summary+="$name rc=$rc: $(tail -n 1 "$logs/$name.txt")"$'\n'
+done
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  echo "commit $commit"
+  for f in "$logs"/*.txt; do echo "===== $(basename "$f")"; cat "$f"; done
+  echo "===== summary"
+  printf '%s' "$summary" | sort
+} > "$OUT/gpu-tests-$commit.txt"
+printf '%s' "$summary" | sort
+exit $status
