@@ -135,10 +135,11 @@ def cases(weights):
     """Routing cases with bf16 activations on the GPU and their references (computed once)."""
     g = torch.Generator().manual_seed(1)
     out = {}
-    for name, m, kw in (("uniform", M, {}), ("skewed", M, dict(zipf=1.5)), ("m1", 1, {})):
+    for name, m, kw in (("uniform", M, {}), ("skewed", M, dict(zipf=1.5)), ("m1", 1, {}),
+                        ("m12", 12, dict(zipf=1.5))):
         x = _spread(torch.randn(m, SHAPE.hidden, generator=g, dtype=torch.float64), g, blocks=False).bfloat16()
         ids, tw = synthetic_routing(m, SHAPE.num_experts, SHAPE.top_k, seed=2, **kw)
-        if name == "skewed":
+        if name in ("skewed", "m12"):
             ids[ids == 7] = -1  # expert 7 gets no tokens; those slots become masked
             ids[3, 0] = -1
             assert (ids == -1).any()
@@ -153,10 +154,13 @@ def test_space_size():
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cid)
 def test_every_fp8_config(weights, cases, cfg):
+    """Every case through the token alignment, and those that fit one block (M <= bm) through
+    the direct addressing too."""
     for name, (x, ids, tw, plain, emu) in cases.items():
-        y = fused_moe(x, *weights.cuda, ids, tw, cfg, **weights.scales)
-        assert y.dtype == torch.bfloat16
-        _record(f"fused_moe/{cfg.form}", f"{_cid(cfg)}/{name}", _errors(y, plain, emu))
+        for alignment in ("sort", "direct") if x.shape[0] <= cfg.bm else ("sort",):
+            y = fused_moe(x, *weights.cuda, ids, tw, cfg, **weights.scales, alignment=alignment)
+            assert y.dtype == torch.bfloat16
+            _record(f"fused_moe/{cfg.form}/{alignment}", f"{_cid(cfg)}/{name}", _errors(y, plain, emu))
 
 
 @pytest.mark.parametrize("cfg", EM_CONFIGS, ids=_cid)
@@ -184,10 +188,11 @@ def test_expert_major(weights, cfg, prequantized):
 
 
 @pytest.mark.parametrize("form", ["two_launch", "fused"])
-def test_cuda_graph_replay_with_new_routing(weights, cases, form):
+@pytest.mark.parametrize("case", ["uniform", "m12"], ids=["sorted", "direct"])  # bm = 16: alignment "auto"
+def test_cuda_graph_replay_with_new_routing(weights, cases, form, case):
     """The whole call (activation quantization and alignment included) captures into a CUDA
     graph; a replay with new routing written into the same buffers matches an eager call."""
-    x, ids, tw, _, _ = cases["uniform"]
+    x, ids, tw, _, _ = cases[case]
     cfg = KernelConfig(bm=16, bn=128, bk=128, split_k=1 if form == "fused" else 4, form=form)
     ids_buf, tw_buf = ids.clone(), tw.clone()
     run = lambda: fused_moe(x, *weights.cuda, ids_buf, tw_buf, cfg, **weights.scales)  # noqa: E731
@@ -200,7 +205,7 @@ def test_cuda_graph_replay_with_new_routing(weights, cases, form):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_graph = run()
-    new_ids, new_tw = synthetic_routing(M, SHAPE.num_experts, SHAPE.top_k, zipf=1.2, seed=9)
+    new_ids, new_tw = synthetic_routing(x.shape[0], SHAPE.num_experts, SHAPE.top_k, zipf=1.2, seed=9)
     ids_buf.copy_(new_ids)
     tw_buf.copy_(new_tw)
     graph.replay()
@@ -208,7 +213,7 @@ def test_cuda_graph_replay_with_new_routing(weights, cases, form):
     eager = run()
     torch.testing.assert_close(y_graph.float(), eager.float(), rtol=1e-2, atol=1e-2)  # atomics order
     xd = dequantize_groups(*quantize_groups(x.cpu(), 128), dtype=torch.float64)
-    _record(f"cuda_graph/{form}", "replay", _errors(y_graph, *weights.references(xd, new_ids, new_tw)))
+    _record(f"cuda_graph/{form}/{case}", "replay", _errors(y_graph, *weights.references(xd, new_ids, new_tw)))
 
 
 def test_zz_summary():

@@ -47,27 +47,37 @@ def _cid(c: KernelConfig) -> str:
     return f"{c.form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-w{c.num_warps}-s{c.num_stages}-g{c.group_m}-sk{c.split_k}"
 
 
-@pytest.fixture(scope="module")
-def case():
+def _make_case(m: int, seed: int):
     w = MoEWeights.random(SHAPE, seed=0, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(M, SHAPE.hidden, generator=g)
-    ids, tw = synthetic_routing(M, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=2)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, SHAPE.hidden, generator=g)
+    ids, tw = synthetic_routing(m, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=seed + 1)
     ids[ids == 7] = -1  # expert 7 gets no tokens; those slots become masked
     ids[3, 0] = -1
     return x, w, ids, tw
 
 
-def _run_and_check(case, cfg, dtype):
+@pytest.fixture(scope="module")
+def case():
+    return _make_case(M, 1)
+
+
+@pytest.fixture(scope="module")
+def small_case():
+    """12 tokens: one block of every bm, so the direct addressing (no alignment) runs too."""
+    return _make_case(12, 5)
+
+
+def _run_and_check(case, cfg, dtype, alignment="auto"):
     x, w, ids, tw = case
     xd, w13, w2 = (t.to(dtype) for t in (x, w.w13, w.w2))
     ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
-    y = fused_moe(xd.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda(), cfg)
+    y = fused_moe(xd.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda(), cfg, alignment=alignment)
     torch.cuda.synchronize()
     y = y.double().cpu()
     assert torch.isfinite(y).all()
     err = ((y - ref).norm() / ref.norm()).item()
-    assert err < TOL[dtype], (cfg, err)
+    assert err < TOL[dtype], (cfg, alignment, err)
 
 
 def test_space_size():
@@ -75,8 +85,11 @@ def test_space_size():
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cid)
-def test_every_config_bf16(case, cfg):
-    _run_and_check(case, cfg, torch.bfloat16)
+def test_every_config_bf16(case, small_case, cfg):
+    """45 tokens through the token alignment, and 12 tokens through both addressings."""
+    _run_and_check(case, cfg, torch.bfloat16, "sort")
+    _run_and_check(small_case, cfg, torch.bfloat16, "sort")
+    _run_and_check(small_case, cfg, torch.bfloat16, "direct")
 
 
 @pytest.mark.parametrize("form", ["two_launch", "fused"])
@@ -102,10 +115,11 @@ def test_expert_major_bf16(form):
 
 
 @pytest.mark.parametrize("form", ["two_launch", "fused"])
-def test_cuda_graph_replay_with_new_routing(case, form):
+@pytest.mark.parametrize("tokens", [M, 12], ids=["sorted", "direct"])  # bm = 16: alignment "auto"
+def test_cuda_graph_replay_with_new_routing(case, small_case, form, tokens):
     """No host sync: the whole call (alignment included) captures into a CUDA graph, and a
     replay with new routing written into the same input buffers matches an eager call."""
-    x, w, ids, tw = case
+    x, w, ids, tw = case if tokens == M else small_case
     cfg = KernelConfig(bm=16, bn=64, bk=64, split_k=1 if form == "fused" else 4, form=form)
     xd, w13, w2 = x.bfloat16().cuda(), w.w13.bfloat16().cuda(), w.w2.bfloat16().cuda()
     ids_buf, tw_buf = ids.cuda(), tw.cuda()
@@ -118,7 +132,7 @@ def test_cuda_graph_replay_with_new_routing(case, form):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_graph = fused_moe(xd, w13, w2, ids_buf, tw_buf, cfg)
-    new_ids, new_tw = synthetic_routing(M, SHAPE.num_experts, SHAPE.top_k, seed=9)
+    new_ids, new_tw = synthetic_routing(tokens, SHAPE.num_experts, SHAPE.top_k, seed=9)
     ids_buf.copy_(new_ids)
     tw_buf.copy_(new_tw)
     graph.replay()

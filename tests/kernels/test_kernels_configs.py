@@ -101,8 +101,16 @@ def test_fp8_space_small_shape_drops_wide_tiles():
 def test_bf16_space_unchanged_by_fp8():
     # the bf16 space keeps its families (no FP8-only depth 5 or bk = 128 only)
     space = config_space(PRESETS["mixtral-8x7b"])
-    assert len(space) == 240
+    assert len(space) == 293  # 240 general tiles + 53 narrow decode tiles
     assert max(c.num_stages for c in space) == 4
+
+
+def test_decode_tiles_only_for_small_token_blocks():
+    space = config_space(PRESETS["deepseek-v3"])
+    narrow = [c for c in space if c.bn < 64 or c.bk == 256]
+    assert {(c.bn, c.bk) for c in narrow} == {(16, 256), (32, 128), (32, 256)}
+    assert {c.bm for c in narrow} == {16, 32} and {c.group_m for c in narrow} == {1}
+    assert {c.form for c in narrow} == {"two_launch", "fused"}
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -7,7 +7,7 @@ Two references, both built from the dequantized inputs the kernel sees (e4m3 wei
   does before the down-projection. With a float32 output the kernel should match it to float32
   rounding (a few 1e-7 measured; 1e-4 leaves room for an occasional e4m3 rounding flip of one
   intermediate element, which float32 vs float64 SwiGLU values can cause). Natively on a GPU the
-  bound is 1e-3 (Hopper's reduced-precision fp8 accumulation; see ``EMU_TOL``).
+  bound is 3e-3 (Hopper's reduced-precision fp8 accumulation; see ``EMU_TOL``).
 * ``reference_moe`` on the dequantized weights and activations (no intermediate quantization):
   DeepEP's ``calc_diff`` must stay below 1e-3, the issue's acceptance bound.
 
@@ -44,11 +44,14 @@ SHAPE = MoEShape("tiny-fp8", num_experts=4, top_k=2, hidden=256, intermediate=25
 # dot is exact, so only float32 rounding (and a rare e4m3 flip of one intermediate) is left: 1e-4.
 # Natively on Hopper each 128-deep fp8 dot accumulates in the tensor cores' reduced-precision
 # accumulator (about 14 mantissa bits, DeepSeek-V3 report section 3.3.2; see docs/kernel.md), so
-# each chunk's sum carries ~1e-4 relative error before the float32 promotion; measured up to 3.4e-4
-# on an H200. 1e-3 covers that, and a scale on the wrong block (magnitudes spread over
-# 2**-2 .. 2**2) still gives errors of order 1.
+# each chunk's sum carries ~1e-4 relative error before the float32 promotion, and where that moves
+# a SwiGLU value across an e4m3 rounding boundary the re-quantized intermediate differs from the
+# emulation by a whole e4m3 step (~6 %) in that element. Measured on an H200: up to 3.4e-4 for most
+# configs, 1.29e-3 for one (bm=128, 8 warps, ed66f5d). 3e-3 covers that; a scale on the wrong block
+# (magnitudes spread over 2**-2 .. 2**2) still gives errors of order 1, and the issue's own bound
+# (calc_diff < 1e-3 against the unquantized-intermediate reference) is checked separately.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-EMU_TOL = 1e-4 if INTERPRETED else 1e-3
+EMU_TOL = 1e-4 if INTERPRETED else 3e-3
 CALC_DIFF_MAX = 1e-3  # vs the unquantized-intermediate reference (the issue's bound)
 
 # A sample of both forms: every bm, bn 128 and 256 (spanning two weight scale blocks), split-K
@@ -134,11 +137,11 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm()).item()
 
 
-def _check(case: Fp8Case, x, ids, tw, cfg, *, out_dtype=torch.float32):
+def _check(case: Fp8Case, x, ids, tw, cfg, *, out_dtype=torch.float32, alignment="auto"):
     """Run fused_moe on 16/32-bit x (quantized inside) and compare with both references."""
     xd = dequantize_groups(*quantize_groups(x.to(out_dtype), 128), dtype=torch.float64)
     y = fused_moe(x.to(out_dtype).to(DEVICE), case.w13.to(DEVICE), case.w2.to(DEVICE), ids.to(DEVICE),
-                  tw.to(DEVICE), cfg, **case.weight_kwargs())
+                  tw.to(DEVICE), cfg, **case.weight_kwargs(), alignment=alignment)
     assert y.shape == x.shape and y.dtype == out_dtype
     emu, plain = case.emulated(xd, ids, tw), case.plain(xd, ids, tw)
     err, diff = _rel(y, emu), calc_diff(y.cpu(), plain)
@@ -191,10 +194,11 @@ def test_quantize_bad_input():
 # --- fused_moe --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cid)
-def test_configs_uniform_routing(case, cfg):
+@pytest.mark.parametrize("alignment", ["sort", "direct"])  # M = 13 fits one block of every bm
+def test_configs_uniform_routing(case, cfg, alignment):
     x = case.tokens(13)
     ids, tw = synthetic_routing(13, SHAPE.num_experts, SHAPE.top_k, seed=1)
-    _check(case, x, ids, tw, cfg)
+    _check(case, x, ids, tw, cfg, alignment=alignment)
 
 
 def test_configs_are_from_the_space():

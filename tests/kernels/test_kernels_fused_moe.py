@@ -50,21 +50,57 @@ def _case(M, seed, *, zipf=None, dtype=torch.float16):
     return x, w, ids, tw
 
 
-def _check(x, w, ids, tw, cfg, dtype):
+def _check(x, w, ids, tw, cfg, dtype, alignment="auto"):
     # The reference sees the same rounded inputs as the kernel.
     xd, w13, w2 = (t.to(dtype) for t in (x, w.w13, w.w2))
     ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
-    y = fused_moe(xd.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg)
+    y = fused_moe(xd.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg,
+                  alignment=alignment)
     assert y.shape == x.shape and y.dtype == dtype
     err = _rel_err(y, ref)
-    assert err < TOL[dtype], (cfg, dtype, err)
+    assert err < TOL[dtype], (cfg, dtype, alignment, err)
+    return y
 
 
+# M = 13 fits one block of every bm, so both addressings run: "sort" (the token alignment)
+# and "direct" (no alignment; what "auto" picks when M <= bm).
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-g{c.group_m}-sk{c.split_k}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_configs_uniform_routing(cfg, dtype):
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_configs_uniform_routing(cfg, dtype, alignment):
     x, w, ids, tw = _case(13, seed=1)
-    _check(x, w, ids, tw, cfg, dtype)
+    _check(x, w, ids, tw, cfg, dtype, alignment)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_direct_and_sorted_addressing_agree(form):
+    """Same blocks, same tiles, rows in another order: equal up to float32 summation order."""
+    x, w, ids, tw = _case(11, seed=8)
+    ids[2, 0], ids[5, 1] = -1, -1
+    y_sort = _check(x, w, ids, tw, FORMS[form], torch.float32, "sort")
+    y_direct = _check(x, w, ids, tw, FORMS[form], torch.float32, "direct")
+    torch.testing.assert_close(y_direct, y_sort, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_expert_named_twice_by_one_token(form, alignment):
+    """Duplicate slots count twice (the reference sums both): direct addressing adds the two
+    weights on one row, sorted addressing keeps two rows."""
+    x, w, ids, tw = _case(7, seed=9)
+    ids[3, 1] = ids[3, 0]
+    ids[6, :] = 2
+    _check(x, w, ids, tw, FORMS[form], torch.float32, alignment)
+
+
+def test_direct_addressing_needs_one_block():
+    x, w, ids, tw = _case(20, seed=10)
+    with pytest.raises(ValueError, match="direct addressing"):
+        fused_moe(x.to(DEVICE), w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), CONFIGS[0],
+                  alignment="direct")
+    with pytest.raises(ValueError, match="alignment"):
+        fused_moe(x.to(DEVICE), w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), CONFIGS[0],
+                  alignment="bucket")
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -78,22 +114,31 @@ def test_skewed_routing_with_empty_expert(form):
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_masked_slots(form):
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_masked_slots(form, alignment):
     x, w, ids, tw = _case(9, seed=3)
     ids[0, 1] = -1
     ids[4, 0] = -1
     ids[7] = -1  # a token with no expert at all gives 0
-    _check(x, w, ids, tw, FORMS[form], torch.float32)
-    xd = x.to(DEVICE)
-    y = fused_moe(xd, w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), FORMS[form])
+    y = _check(x, w, ids, tw, FORMS[form], torch.float32, alignment)
     assert (y[7] == 0).all()
+
+
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_all_slots_masked(alignment):
+    x, w, ids, tw = _case(5, seed=12)
+    ids[:] = -1
+    y = fused_moe(x.to(DEVICE), w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), FORMS["fused"],
+                  alignment=alignment)
+    assert (y == 0).all()
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_single_token(form, dtype):
     x, w, ids, tw = _case(1, seed=4)
-    _check(x, w, ids, tw, FORMS[form], dtype)
+    _check(x, w, ids, tw, FORMS[form], dtype, "sort")
+    _check(x, w, ids, tw, FORMS[form], dtype, "direct")
 
 
 def test_int32_ids_and_default_config():

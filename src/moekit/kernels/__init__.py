@@ -3,12 +3,13 @@
 ``fused_moe`` / ``fused_moe_expert_major`` need Triton; ``configs`` and ``align`` do not.
 """
 
-from moekit.kernels.align import Alignment, align_expert_major, align_tokens, padded_capacity
+from moekit.kernels.align import (Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks,
+                                  padded_capacity)
 from moekit.kernels.configs import KernelConfig, config_space, default_config
 from moekit.kernels.fused_moe import HAVE_TRITON, fused_moe, fused_moe_expert_major
 
 __all__ = [
-    "Alignment", "align_tokens", "align_expert_major", "padded_capacity",
+    "Alignment", "DirectBlocks", "align_tokens", "direct_blocks", "align_expert_major", "padded_capacity",
     "KernelConfig", "config_space", "default_config",
     "HAVE_TRITON", "fused_moe", "fused_moe_expert_major",
 ]

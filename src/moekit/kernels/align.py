@@ -70,6 +70,58 @@ class Alignment:
     def max_blocks(self) -> int:
         return self.block_expert.shape[0]
 
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """(addressing arguments, constexprs) of the expert kernels (``fused_moe._block_rows``)."""
+        unused = self.sorted_ids  # the direct-addressing pointer, never read here
+        return ((self.sorted_ids, self.block_expert, self.num_padded, self.num_pairs, unused, 0, 1, 0),
+                dict(DIRECT=False, KP=1, BINS=16))
+
+
+@dataclass
+class DirectBlocks:
+    """Direct addressing, the alternative to an :class:`Alignment` when every token fits one
+    block (``M <= bm``): no alignment is computed at all.
+
+    Each expert that the routing names then has at most ``M <= bm`` pairs, so it needs exactly
+    one block in any case. Block ``j`` of the kernels serves the ``j``-th smallest named expert,
+    found by every program from the ``[M, K]`` ids themselves (one histogram of at most
+    ``bm * K`` ids), and its rows are the tokens (row ``i`` = token ``i``, masked where the token
+    did not pick that expert). The grid is ``min(E, M*K)`` blocks, the most experts that can be
+    named; blocks past the named count exit at once. This saves the alignment's launch, which at
+    decode sizes is a fixed cost of the same order as streaming a few experts' weights.
+    """
+
+    topk_ids: torch.Tensor  # [M, K] int32/int64, contiguous
+    num_experts: int
+    bm: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.topk_ids.numel()
+
+    @property
+    def max_blocks(self) -> int:
+        return min(self.num_experts, self.num_pairs)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_blocks * self.bm
+
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """(addressing arguments, constexprs) of the expert kernels (``fused_moe._block_rows``)."""
+        ids = self.topk_ids
+        M, K = ids.shape
+        return ((ids, ids, ids, self.num_pairs, ids, M, K, self.num_experts),
+                dict(DIRECT=True, KP=_pow2_at_least(K), BINS=_pow2_at_least(self.num_experts, 16)))
+
+
+def direct_blocks(topk_ids: torch.Tensor, num_experts: int, bm: int) -> DirectBlocks:
+    """The :class:`DirectBlocks` of ``topk_ids[M, K]``; needs ``M <= bm`` (ValueError otherwise)."""
+    _check_align_args(topk_ids, num_experts, bm)
+    if topk_ids.shape[0] > bm:
+        raise ValueError(f"direct addressing needs every token in one block: M={topk_ids.shape[0]} > bm={bm}")
+    return DirectBlocks(topk_ids.contiguous(), num_experts, bm)
+
 
 def padded_capacity(num_pairs: int, num_experts: int, bm: int) -> int:
     """Upper bound of the padded length, rounded up to a multiple of ``bm``."""

@@ -33,6 +33,12 @@ TOKEN_BLOCKS = (16, 32, 64, 128)  # bm: the token rows one CTA takes from one ex
 # GEMM2); bk tiles the reduction (H for GEMM1, N for GEMM2). In the fused form bk also tiles
 # the H columns of the down-projection that each CTA accumulates (see fused_moe.py).
 TILE_FAMILIES = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64))
+# Narrow, deep tiles for small token blocks (bm <= DECODE_MAX_BM), where the kernel streams
+# weights: a narrow bn gives more CTAs for few active experts (deepseek-v3's TP8 shard, N = 256,
+# has only 4 N-tiles of 64 per expert: 32 CTAs on 132 SMs at M = 1), and a deep bk keeps more
+# bytes in flight per pipeline stage. Without swizzle (one token block per expert at decode).
+DECODE_TILE_FAMILIES = ((16, 256), (32, 128), (32, 256))
+DECODE_MAX_BM = 32
 PIPELINE_STAGES = (2, 3, 4)
 GROUP_M_CHOICES = (1, 8)  # 1 = no swizzle
 SPLIT_K_CHOICES = (1, 4)  # split of GEMM2's reduction, two_launch form only
@@ -183,9 +189,13 @@ def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfl
     cap_k = max(64, _next_pow2(min(H, N)))  # bk tiles H (GEMM1) and N (GEMM2)
     families = FP8_TILE_FAMILIES if fp8 else TILE_FAMILIES
     depths = FP8_PIPELINE_STAGES if fp8 else PIPELINE_STAGES
+    tiles = itertools.product(TOKEN_BLOCKS, families, depths, GROUP_M_CHOICES)
+    if not fp8:  # (FP8 tiles are whole 128-column groups: no narrow family)
+        decode = itertools.product([b for b in TOKEN_BLOCKS if b <= DECODE_MAX_BM], DECODE_TILE_FAMILIES, depths, (1,))
+        tiles = itertools.chain(tiles, decode)
     out = []
     # (FP8 needs H and N to be multiples of 128, so its (128, 128) family always passes this.)
-    for bm, (bn, bk), stages, group_m in itertools.product(TOKEN_BLOCKS, families, depths, GROUP_M_CHOICES):
+    for bm, (bn, bk), stages, group_m in tiles:
         if bn > cap_n or bk > cap_k:
             continue
         variants = [("two_launch", s) for s in SPLIT_K_CHOICES] + [("fused", 1)]

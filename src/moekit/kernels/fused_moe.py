@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.kernels.align import Alignment, align_expert_major, align_tokens
+from moekit.kernels.align import Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     HAVE_TRITON = False
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+ALIGNMENTS = ("auto", "sort", "direct")  # fused_moe(alignment=...)
 _FP8 = torch.float8_e4m3fn
 
 
@@ -98,22 +99,66 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BM: tl.constexpr):
-        """The token block ``pid_m``: (live, expert, rows, pair, row_ok).
+    def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                    ids_ptr, weights_ptr, num_tokens, top_k, num_experts,
+                    A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, BM: tl.constexpr, DIRECT: tl.constexpr,
+                    KP: tl.constexpr, BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+        """The token block ``pid_m``: (live, expert, rows, a_rows, out_rows, row_ok, w).
 
-        ``live`` is False for blocks past the real padded end (the grid covers the upper bound;
-        the real end is on the device) and for blocks without an expert: the caller must return
-        at once (a helper cannot return from its caller). rows are the padded row indices,
-        pair the pair ids stored there, row_ok False on padding rows (sentinel ``num_pairs``).
-        The pair load is masked by ``live``, so a dead block reads nothing more.
+        ``live`` is False for blocks with no work (the grid covers an upper bound; the real
+        count is on the device): the caller must return at once (a helper cannot return from
+        its caller). ``rows`` are the block's rows of the padded order (the intermediate's rows
+        in two_launch), ``a_rows`` / ``out_rows`` the rows of x and of the output they read and
+        write, ``row_ok`` False on padding rows, ``w`` the routing weight of each row (when
+        MUL_WEIGHT).
+
+        Sorted addressing (DIRECT False): the block is a slice of the alignment (align.py);
+        its rows hold pair ids ``token * K + slot`` (sentinel ``num_pairs`` on padding), loaded
+        only when the block is live.
+
+        Direct addressing (DIRECT True, every token fits one block: num_tokens <= BM): no
+        alignment at all. Block j serves the j-th smallest expert that the routing names, and
+        its rows are the tokens themselves (row i = token i, kept where the token picked that
+        expert). Every program reads the [num_tokens, K] ids (at most BM * K) and finds its
+        expert from their histogram. A token that names the expert in several slots gets the
+        sum of those slots' weights.
         """
-        live = pid_m * BM < tl.load(num_padded_ptr)
-        expert = tl.load(block_expert_ptr + pid_m)
-        live = live & (expert >= 0)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids_ptr + rows, mask=live, other=num_pairs)
-        row_ok = pair < num_pairs
-        return live, expert, rows, pair, row_ok
+        if DIRECT:
+            tok = tl.arange(0, BM)
+            slot = tl.arange(0, KP)
+            offs = tok[:, None] * top_k + slot[None, :]
+            in_range = (tok < num_tokens)[:, None] & (slot < top_k)[None, :]
+            ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+            valid = (ids >= 0) & (ids < num_experts)
+            hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0), (BM * KP,)), BINS,
+                                mask=tl.reshape(valid, (BM * KP,)))
+            named = tl.cumsum((hist > 0).to(tl.int32), 0)  # experts named among bins <= b
+            expert = tl.sum((named <= pid_m).to(tl.int32), 0)  # BINS (>= E) past the last one
+            live = expert < num_experts
+            match = valid & (ids == expert)
+            row_ok = tl.max(match.to(tl.int32), 1) > 0
+            rows = pid_m * BM + tok
+            a_rows = tok.to(tl.int64)
+            out_rows = a_rows
+            if MUL_WEIGHT:
+                slot_w = tl.load(weights_ptr + offs, mask=match, other=0.0).to(tl.float32)
+                w = tl.sum(slot_w, 1)
+            else:
+                w = tl.zeros((BM,), tl.float32)
+        else:
+            live = pid_m * BM < tl.load(num_padded_ptr)
+            expert = tl.load(block_expert_ptr + pid_m)
+            live = live & (expert >= 0)
+            rows = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_ids_ptr + rows, mask=live, other=num_pairs)
+            row_ok = pair < num_pairs
+            a_rows = tl.where(row_ok, pair // A_DIV, 0).to(tl.int64)
+            out_rows = tl.where(row_ok, pair // OUT_DIV, 0).to(tl.int64)
+            if MUL_WEIGHT:
+                w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            else:
+                w = tl.zeros((BM,), tl.float32)
+        return live, expert, rows, a_rows, out_rows, row_ok, w
 
     @triton.jit
     def _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H: tl.constexpr, N: tl.constexpr,
@@ -163,11 +208,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemm1_swiglu_kernel(
-        x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-        num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
+        x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_we, stride_wn, stride_wk, stride_im,
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
-        A_DIV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
@@ -175,11 +220,11 @@ if HAVE_TRITON:
         FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                                                       num_pairs, BM)
+        live, expert, rows, a_rows, _, row_ok, _ = _block_rows(
+            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, ids_ptr, num_tokens,
+            top_k, num_experts, A_DIV, 1, BM, DIRECT, KP, BINS, False)
         if not live:
             return
-        a_rows = tl.where(row_ok, pair // A_DIV, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
                            stride_xm, stride_we, stride_wn, stride_wk,
@@ -202,11 +247,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemm2_kernel(
-        inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-        num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
+        inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        num_m, H: tl.constexpr, N: tl.constexpr,
         stride_im, stride_we, stride_wh, stride_wk, stride_om,
         is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
-        OUT_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
+        OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
     ):
@@ -218,8 +263,9 @@ if HAVE_TRITON:
         """
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                                                       num_pairs, BM)
+        live, expert, rows, _, out_rows, row_ok, w = _block_rows(
+            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
+            top_k, num_experts, 1, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
         if not live:
             return
         offs_h = pid_n * BN + tl.arange(0, BN)
@@ -252,21 +298,19 @@ if HAVE_TRITON:
             a_ptrs += BK
             b_ptrs += BK * stride_wk
         if MUL_WEIGHT:
-            w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
             acc = acc * w[:, None]
-        out_rows = tl.where(row_ok, pair // OUT_DIV, 0).to(tl.int64)
         o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
     def _fused_kernel(
-        x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-        num_pairs, num_m, H: tl.constexpr, N: tl.constexpr,
+        x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_om,
         xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
         stride_w2se, stride_w2sh, stride_w2sk,
-        A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
+        BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
@@ -276,11 +320,11 @@ if HAVE_TRITON:
         scale block h0: one activation scale per row and one w2 scale per chunk."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, pair, row_ok = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                                                       num_pairs, BM)
+        live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
+            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
+            top_k, num_experts, A_DIV, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
         if not live:
             return
-        a_rows = tl.where(row_ok, pair // A_DIV, 0).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
@@ -294,9 +338,6 @@ if HAVE_TRITON:
         else:
             # Same rounding as the two_launch intermediate, and the dtype the tensor cores take.
             act = act.to(x_ptr.dtype.element_ty)
-        if MUL_WEIGHT:
-            w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        out_rows = tl.where(row_ok, pair // OUT_DIV, 0).to(tl.int64)
         offs_h = tl.arange(0, BK)
         # w2[e, h, n] read as a [BN, BK] tile (n down, h across) = (w2[e][h-chunk, n-tile]).T
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_w2e + offs_n[:, None] * stride_w2k
@@ -392,12 +433,13 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
-         al: Alignment, out32: torch.Tensor, a_div: int, out_div: int, config: KernelConfig,
+         al: Alignment | DirectBlocks, out32: torch.Tensor, a_div: int, out_div: int, config: KernelConfig,
          scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Launch the kernels of ``config`` over alignment ``al``, adding into ``out32``.
+    """Launch the kernels of ``config`` over the token blocks of ``al``, adding into ``out32``.
 
-    ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects the FP8 kernels
-    (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones.
+    ``al`` is an alignment (sorted addressing) or :class:`DirectBlocks` (direct addressing,
+    no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
+    the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones.
     """
     H = x2d.shape[1]
     N = w2.shape[2]
@@ -409,6 +451,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     c = config
     mul_weight = weights is not None
     wptr = weights if mul_weight else out32  # any pointer; never read when MUL_WEIGHT is False
+    addr, addr_const = al.kernel_args()
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
     if fp8:
         xs, w13s, w2s = scales
@@ -421,12 +464,11 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
-            x2d, w13, w2, out32, wptr, al.sorted_ids, al.block_expert, al.num_padded,
-            al.num_pairs, num_m, H, N,
+            x2d, w13, w2, out32, wptr, *addr, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
             w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
-            A_DIV=a_div, OUT_DIV=out_div, MUL_WEIGHT=mul_weight,
+            A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
         )
         return
@@ -440,20 +482,19 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args = (out32, 0)
     grid1 = (num_m * triton.cdiv(N, c.bn),)
     _gemm1_swiglu_kernel[grid1](
-        x2d, w13, inter, al.sorted_ids, al.block_expert, al.num_padded,
-        al.num_pairs, num_m, H, N,
+        x2d, w13, inter, *addr, num_m, H, N,
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
-        A_DIV=a_div, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-        **launch,
+        A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
+        SOFT_ROUND=soft, **launch,
     )
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
     _gemm2_kernel[grid2](
-        inter, w2, out32, wptr, al.sorted_ids, al.block_expert, al.num_padded,
-        al.num_pairs, num_m, H, N,
+        inter, w2, out32, wptr, *addr, num_m, H, N,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
-        OUT_DIV=out_div, MUL_WEIGHT=mul_weight, PER_SPLIT=triton.cdiv(triton.cdiv(N, c.bk), c.split_k),
+        OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
+        PER_SPLIT=triton.cdiv(triton.cdiv(N, c.bk), c.split_k),
         BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
 
@@ -471,7 +512,7 @@ def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.T
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, config: KernelConfig | None = None, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              x_scale: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, alignment: str = "auto") -> torch.Tensor:
     """y[M, H] = sum_k topk_weights[:, k] * SwiGLU-expert_{topk_ids[:, k]}(x), in Triton.
 
     x [M, H] fp16/bf16/fp32; w13 [E, 2N, H] (gate rows first, then up) and w2 [E, H, N] of
@@ -485,8 +526,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     config with ``fp8_config_error(config) is None``. x is either 16/32-bit (quantized here
     per token per 128 columns; the result has x's dtype) or e4m3 with ``x_scale`` [M, H/128]
     (``quantize_groups(x, 128)``; the result is bf16).
+
+    ``alignment``: how token blocks find their rows. ``"sort"`` runs the token alignment
+    (``align_tokens``: pairs sorted by expert, padded to ``config.bm``); ``"direct"`` skips it
+    (:class:`~moekit.kernels.align.DirectBlocks`: one block per named expert, rows = tokens;
+    needs M <= config.bm); ``"auto"`` (default) is direct when M <= config.bm, else sort. Both
+    do the same arithmetic on the same tiles; direct saves the alignment's launch.
     """
     _require_triton()
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
     if x.dim() != 2 or x.dtype not in _SUPPORTED + (_FP8,):
         raise ValueError(f"x must be a 2-D {_SUPPORTED + (_FP8,)} tensor [M, H], got {tuple(x.shape)} {x.dtype}")
     fp8 = _is_fp8_weights(w13, w2)
@@ -522,7 +571,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     out32 = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return out32.to(out_dtype)
-    al = align_tokens(topk_ids, E, config.bm)
+    if alignment == "direct" or (alignment == "auto" and M <= config.bm):
+        al = direct_blocks(topk_ids, E, config.bm)
+    else:
+        al = align_tokens(topk_ids, E, config.bm)
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
     _run(x, w13, w2, weights, al, out32, a_div=K, out_div=K, config=config, scales=scales)
     return out32.to(out_dtype)
