@@ -35,15 +35,17 @@ from moekit.bench.stats import summarize
 from moekit.bench.timing import L2Flusher, time_cold
 from moekit.kernels import KernelConfig, align_tokens, fused_moe
 
-DECODE_CONFIGS = [
+DECODE_CONFIGS = [  # under "direct", two_launch with split_k = 1 is the decode schedule (no atomics)
     KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, form="fused"),
-    KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=1, form="two_launch"),
-    KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch"),
-    KernelConfig(bm=16, bn=16, bk=256, num_warps=4, num_stages=4, form="fused"),
-    KernelConfig(bm=16, bn=32, bk=128, num_warps=4, num_stages=4, form="fused"),
     KernelConfig(bm=16, bn=32, bk=256, num_warps=4, num_stages=3, form="fused"),
+    KernelConfig(bm=16, bn=16, bk=256, num_warps=4, num_stages=4, form="fused"),
+    KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=32, bk=128, num_warps=4, num_stages=4, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=32, bk=256, num_warps=4, num_stages=3, split_k=1, form="two_launch"),
     KernelConfig(bm=16, bn=16, bk=256, num_warps=4, num_stages=4, split_k=1, form="two_launch"),
-    KernelConfig(bm=16, bn=32, bk=256, num_warps=4, num_stages=3, split_k=4, form="two_launch"),
+    KernelConfig(bm=16, bn=16, bk=256, num_warps=4, num_stages=3, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch"),
 ]
 LARGE_CONFIGS = [
     KernelConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, group_m=8, form="two_launch"),
@@ -85,7 +87,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--m-small", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--m-large", type=int, default=4096)
+    p.add_argument("--m-large", type=int, default=4096, help="0: no large-M part")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--out", default="probe.json")
@@ -95,7 +97,8 @@ def main() -> int:
 
     tasks = [(n, asdict(c), M, a) for n in args.models for c in DECODE_CONFIGS for M in args.m_small
              for a in ("sort", "direct")]
-    tasks += [(n, asdict(c), args.m_large, "sort") for n in args.models for c in LARGE_CONFIGS]
+    if args.m_large:
+        tasks += [(n, asdict(c), args.m_large, "sort") for n in args.models for c in LARGE_CONFIGS]
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
     print(f"compiled {len(tasks)} variants in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
@@ -115,7 +118,7 @@ def main() -> int:
                           dtype=torch.bfloat16).mul_(s.hidden ** -0.5)
         w2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g, device=dev,
                          dtype=torch.bfloat16).mul_(s.intermediate ** -0.5)
-        for M in [*args.m_small, args.m_large]:
+        for M in [*args.m_small, *([args.m_large] if args.m_large else [])]:
             large = M == args.m_large
             for beta in ((1.0,) if large else (1.0, 0.25)):
                 r = point_routing(s, M, beta, 1000 + M)

@@ -64,7 +64,8 @@ CONFIGS = [
     KernelConfig(bm=16, bn=128, bk=128, group_m=8, form="fused"),
     KernelConfig(bm=64, bn=128, bk=128, num_warps=8, group_m=1, form="fused"),
 ]
-FORMS = {"two_launch": CONFIGS[1], "fused": CONFIGS[4]}
+# "two_launch_sk1" at M <= bm: the decode schedule (GEMM2 sums a token's experts without atomics).
+FORMS = {"two_launch": CONFIGS[1], "two_launch_sk1": CONFIGS[0], "fused": CONFIGS[4]}
 
 
 def _cid(c: KernelConfig) -> str:

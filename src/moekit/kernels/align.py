@@ -289,7 +289,8 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Al
 
 
 def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
-    """:func:`align_tokens` in torch ops (several small kernels). Sort the pairs of ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
+    """:func:`align_tokens` in torch ops (several small kernels): sort the pairs of
+    ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
 
     Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
     validates, see ``moekit.ep.dispatcher.validate_routing``).

@@ -19,10 +19,18 @@ end. Because several CTAs add into the same output row with atomics (the K slots
 live in different expert blocks; split-K and the fused form add partial sums), the order of
 the float32 additions is decided by the hardware scheduler: results are not bitwise
 reproducible run to run (differences of float32 rounding only), unlike the dispatchers'
-combine, which sums the K slots in a fixed order.
+combine, which sums the K slots in a fixed order. (The decode schedule below is the exception.)
 
-Alignment (align.py) gives the padded expert-grouped row order without a host sync; the grid
-is launched for the upper bound of blocks and blocks past the real end return at once.
+Token blocks find their rows in one of two ways (``fused_moe(alignment=...)``). Sorted: the
+alignment (align.py) gives the padded expert-grouped row order without a host sync; the grid
+is launched for the upper bound of blocks and blocks past the real end return at once. Direct
+(the default when every token fits one block, M <= bm): no alignment; block j serves the j-th
+named expert and its rows are the tokens themselves (``_block_rows``).
+
+The decode schedule: ``two_launch`` with ``split_k = 1`` under direct addressing replaces the
+atomic GEMM2 by ``_gemm2_decode_kernel``, whose CTAs each own a column tile of the whole output
+and sum a token's experts in registers, in a fixed order. That call is two launches (no zeroed
+float32 buffer, no cast) and bitwise reproducible.
 
 FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
 ``float8_e4m3fn`` with one float32 scale per [128, 128] block (``moekit.fp8.quantize_blocks``);
@@ -99,6 +107,38 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
+    def _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM: tl.constexpr, KP: tl.constexpr,
+                        BINS: tl.constexpr):
+        """Direct addressing, once per program: the [BM, KP] ids of the tokens (-1 past the
+        end), their validity, their flat offsets, and ``named[b]``, how many distinct experts
+        <= b the routing names (a cumsum over the ids' histogram)."""
+        tok = tl.arange(0, BM)
+        slot = tl.arange(0, KP)
+        offs = tok[:, None] * top_k + slot[None, :]
+        in_range = (tok < num_tokens)[:, None] & (slot < top_k)[None, :]
+        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+        valid = (ids >= 0) & (ids < num_experts)
+        hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0), (BM * KP,)), BINS, mask=tl.reshape(valid, (BM * KP,)))
+        named = tl.cumsum((hist > 0).to(tl.int32), 0)
+        return ids, valid, offs, named
+
+    @triton.jit
+    def _direct_block(j, ids, valid, offs, named, weights_ptr, num_experts, BM: tl.constexpr,
+                      MUL_WEIGHT: tl.constexpr):
+        """Direct addressing: block ``j`` serves the j-th smallest named expert; its rows are
+        the tokens that picked it, each with the sum of its slots' weights for that expert."""
+        expert = tl.sum((named <= j).to(tl.int32), 0)  # BINS (>= E) past the last named expert
+        live = expert < num_experts
+        match = valid & (ids == expert)
+        row_ok = tl.max(match.to(tl.int32), 1) > 0
+        tok = tl.arange(0, BM)
+        if MUL_WEIGHT:
+            w = tl.sum(tl.load(weights_ptr + offs, mask=match, other=0.0).to(tl.float32), 1)
+        else:
+            w = tl.zeros((BM,), tl.float32)
+        return live, expert, j * BM + tok, tok.to(tl.int64), row_ok, w
+
+    @triton.jit
     def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                     ids_ptr, weights_ptr, num_tokens, top_k, num_experts,
                     A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, BM: tl.constexpr, DIRECT: tl.constexpr,
@@ -117,34 +157,17 @@ if HAVE_TRITON:
         only when the block is live.
 
         Direct addressing (DIRECT True, every token fits one block: num_tokens <= BM): no
-        alignment at all. Block j serves the j-th smallest expert that the routing names, and
-        its rows are the tokens themselves (row i = token i, kept where the token picked that
-        expert). Every program reads the [num_tokens, K] ids (at most BM * K) and finds its
-        expert from their histogram. A token that names the expert in several slots gets the
-        sum of those slots' weights.
+        alignment at all (``align.DirectBlocks``). Block j serves the j-th smallest expert that
+        the routing names, and its rows are the tokens themselves (row i = token i, kept where
+        the token picked that expert). Every program reads the [num_tokens, K] ids (at most
+        BM * K) and finds its expert from their histogram. A token that names the expert in
+        several slots gets the sum of those slots' weights.
         """
         if DIRECT:
-            tok = tl.arange(0, BM)
-            slot = tl.arange(0, KP)
-            offs = tok[:, None] * top_k + slot[None, :]
-            in_range = (tok < num_tokens)[:, None] & (slot < top_k)[None, :]
-            ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-            valid = (ids >= 0) & (ids < num_experts)
-            hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0), (BM * KP,)), BINS,
-                                mask=tl.reshape(valid, (BM * KP,)))
-            named = tl.cumsum((hist > 0).to(tl.int32), 0)  # experts named among bins <= b
-            expert = tl.sum((named <= pid_m).to(tl.int32), 0)  # BINS (>= E) past the last one
-            live = expert < num_experts
-            match = valid & (ids == expert)
-            row_ok = tl.max(match.to(tl.int32), 1) > 0
-            rows = pid_m * BM + tok
-            a_rows = tok.to(tl.int64)
+            ids, valid, offs, named = _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM, KP, BINS)
+            live, expert, rows, a_rows, row_ok, w = _direct_block(pid_m, ids, valid, offs, named, weights_ptr,
+                                                                  num_experts, BM, MUL_WEIGHT)
             out_rows = a_rows
-            if MUL_WEIGHT:
-                slot_w = tl.load(weights_ptr + offs, mask=match, other=0.0).to(tl.float32)
-                w = tl.sum(slot_w, 1)
-            else:
-                w = tl.zeros((BM,), tl.float32)
         else:
             live = pid_m * BM < tl.load(num_padded_ptr)
             expert = tl.load(block_expert_ptr + pid_m)
@@ -208,11 +231,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemm1_swiglu_kernel(
-        x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        x_ptr, w13_ptr, inter_ptr,
+        sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
         num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_we, stride_wn, stride_wk, stride_im,
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
-        A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
@@ -246,33 +271,17 @@ if HAVE_TRITON:
             tl.store(i_ptrs, act.to(inter_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
 
     @triton.jit
-    def _gemm2_kernel(
-        inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
-        num_m, H: tl.constexpr, N: tl.constexpr,
-        stride_im, stride_we, stride_wh, stride_wk, stride_om,
-        is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
-        OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-    ):
-        """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
+    def _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, rows, row_ok, expert, offs_h, c_begin,
+                   H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
+                   stride_ism, stride_wse, stride_wsh, stride_wsk, CHUNKS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                   FP8: tl.constexpr):
+        """inter[rows] @ w2[e][offs_h].T over the CHUNKS reduction chunks of BK starting at chunk
+        ``c_begin``, as a float32 [BM, BN] tile. Rows with ``row_ok`` False are not read (0).
 
-        Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
         FP8: inter and w2 are e4m3, is the intermediate's [rows, N/128] scales, ws w2's
-        [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both.
-        """
-        num_n = tl.cdiv(H, BN)
-        pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, _, out_rows, row_ok, w = _block_rows(
-            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
-            top_k, num_experts, 1, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
-        if not live:
-            return
-        offs_h = pid_n * BN + tl.arange(0, BN)
+        [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both."""
         h_ok = offs_h < H
-        # This split's share of the reduction: PER_SPLIT = ceil(ceil(N / BK) / split_k) whole
-        # BK chunks (computed on the host so the loop bound is a compile-time constant).
-        c_begin = tl.program_id(1) * PER_SPLIT
         offs_k = tl.arange(0, BK)
         rows64 = rows.to(tl.int64)
         a_ptrs = inter_ptr + rows64[:, None] * stride_im + (c_begin * BK + offs_k)[None, :]
@@ -283,28 +292,129 @@ if HAVE_TRITON:
             bs_ptrs = (ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
                        + c_begin * stride_wsk)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for i in range(0, PER_SPLIT):
+        for i in range(0, CHUNKS):
             # The last split may own fewer chunks (or none): mask the chunks past the end.
             k_ok = offs_k < N - (c_begin + i) * BK
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
             if FP8:
                 chunk_ok = c_begin + i < N // _SB
-                a_s = tl.load(as_ptrs + i, mask=chunk_ok, other=0.0)
+                a_s = tl.load(as_ptrs + i, mask=row_ok & chunk_ok, other=0.0)
                 b_s = tl.load(bs_ptrs + i * stride_wsk, mask=h_ok & chunk_ok, other=0.0)
                 acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BK
             b_ptrs += BK * stride_wk
+        return acc
+
+    @triton.jit
+    def _gemm2_kernel(
+        inter_ptr, w2_ptr, out_ptr, weights_ptr,
+        sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        num_m, H: tl.constexpr, N: tl.constexpr,
+        stride_im, stride_we, stride_wh, stride_wk, stride_om,
+        is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
+        OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
+        MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    ):
+        """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
+
+        Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
+        FP8: see ``_down_tile``."""
+        num_n = tl.cdiv(H, BN)
+        pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
+        live, expert, rows, _, out_rows, row_ok, w = _block_rows(
+            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
+            top_k, num_experts, 1, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
+        if not live:
+            return
+        offs_h = pid_n * BN + tl.arange(0, BN)
+        # This split's share of the reduction: PER_SPLIT = ceil(ceil(N / BK) / split_k) whole
+        # BK chunks (computed on the host so the loop bound is a compile-time constant).
+        acc = _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, rows, row_ok, expert, offs_h,
+                         tl.program_id(1) * PER_SPLIT, H, N, stride_im, stride_we, stride_wh, stride_wk,
+                         stride_ism, stride_wse, stride_wsh, stride_wsk, PER_SPLIT, BM, BN, BK, PRECISION, FP8)
+        h_ok = offs_h < H
         if MUL_WEIGHT:
             acc = acc * w[:, None]
         o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
+    def _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr, offs_h,
+                     num_experts, H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
+                     stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS: tl.constexpr, BM: tl.constexpr,
+                     BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+        """One step of ``_gemm2_decode_kernel``'s loop: acc + w * (inter rows of named expert j)
+        @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block past the last
+        named expert reads nothing and adds zero."""
+        j = it // N_CHUNKS
+        c = it % N_CHUNKS
+        live, expert, rows, _, row_ok, w = _direct_block(j, ids, valid, offs, named, weights_ptr, num_experts, BM, True)
+        rows64 = rows.to(tl.int64)
+        h_ok = offs_h < H
+        offs_k = tl.arange(0, BK)
+        k_ok = offs_k < N - c * BK
+        a = tl.load(inter_ptr + rows64[:, None] * stride_im + (c * BK + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
+                    + (c * BK + offs_k)[:, None] * stride_wk,
+                    mask=live & k_ok[:, None] & h_ok[None, :], other=0.0)  # [BK, BN] = w2[e].T tile
+        if FP8:
+            a_s = tl.load(is_ptr + rows64 * stride_ism + c, mask=row_ok, other=0.0)
+            b_s = tl.load(ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh + c * stride_wsk,
+                          mask=live & h_ok, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :]) * w[:, None]
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION) * w[:, None]
+        return acc
+
+    @triton.jit
+    def _gemm2_decode_kernel(
+        inter_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, num_tokens, top_k, num_experts,
+        H: tl.constexpr, N: tl.constexpr,
+        stride_im, stride_we, stride_wh, stride_wk, stride_om,
+        is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
+        MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
+        KP: tl.constexpr, BINS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    ):
+        """two_launch under direct addressing with split_k = 1, step 2, without atomics: CTA h
+        owns out[:, h-tile]. One loop walks (named expert j, reduction chunk c) in order,
+        adding w * (inter rows of block j) @ w2[e_j][h-tile, chunk c].T into float32
+        registers, and the tile is stored once in the output's dtype. So the output needs no
+        zeroing and no final cast, and the sum over a token's experts has a fixed order (this
+        schedule is deterministic). One flat loop, not a loop per expert, so the software
+        pipeline runs across experts without draining.
+
+        RUNTIME_TRIP: the trip count is the named experts' (read on the device); Triton's
+        interpreter cannot loop to a run-time bound, so there it walks MAX_BLOCKS experts and
+        the ones past the last named are masked out (no loads, zero contribution).
+        FP8: as ``_down_tile``."""
+        offs_h = tl.program_id(0) * BN + tl.arange(0, BN)
+        ids, valid, offs, named = _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM, KP, BINS)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if RUNTIME_TRIP:
+            for it in range(0, tl.max(named, 0) * N_CHUNKS):
+                acc = _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr,
+                                   offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
+                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
+        else:
+            for it in range(0, MAX_BLOCKS * N_CHUNKS):
+                acc = _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr,
+                                   offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
+                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
+        tok = tl.arange(0, BM).to(tl.int64)
+        o_ptrs = out_ptr + tok[:, None] * stride_om + offs_h[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tok < num_tokens)[:, None] & (offs_h < H)[None, :])
+
+    @triton.jit
     def _fused_kernel(
-        x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
+        x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr,
+        sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
         num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_om,
         xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
@@ -432,25 +542,39 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _decode_schedule(config: KernelConfig, al: Alignment | DirectBlocks) -> bool:
+    """two_launch over direct addressing without split-K: GEMM2 sums a token's experts in
+    registers (``_gemm2_decode_kernel``), so there are no atomics, no zeroed float32 buffer and
+    no final cast: two launches in all."""
+    return config.form == "two_launch" and config.split_k == 1 and isinstance(al, DirectBlocks)
+
+
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
-         al: Alignment | DirectBlocks, out32: torch.Tensor, a_div: int, out_div: int, config: KernelConfig,
-         scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Launch the kernels of ``config`` over the token blocks of ``al``, adding into ``out32``.
+         al: Alignment | DirectBlocks, out_rows: int, out_dtype: torch.dtype, a_div: int, out_div: int,
+         config: KernelConfig, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Launch the kernels of ``config`` over the token blocks of ``al``: the ``[out_rows, H]``
+    output in ``out_dtype``.
 
     ``al`` is an alignment (sorted addressing) or :class:`DirectBlocks` (direct addressing,
     no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
-    the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones.
+    the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
+    decode schedule (``_decode_schedule``), the kernels add into a zeroed float32 buffer with
+    atomics, cast once at the end.
     """
     H = x2d.shape[1]
     N = w2.shape[2]
+    device = x2d.device
     num_m = al.max_blocks
+    decode = _decode_schedule(config, al)
     if num_m == 0:
-        return
+        return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
+    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
+           else torch.zeros(out_rows, H, dtype=torch.float32, device=device))
     fp8 = scales is not None
     prec = _precision(x2d.dtype)
     c = config
     mul_weight = weights is not None
-    wptr = weights if mul_weight else out32  # any pointer; never read when MUL_WEIGHT is False
+    wptr = weights if mul_weight else out  # any pointer; never read when MUL_WEIGHT is False
     addr, addr_const = al.kernel_args()
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
     if fp8:
@@ -459,27 +583,27 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         w13s_args = (w13s, w13s.stride(0), w13s.stride(1), w13s.stride(2))
         w2s_args = (w2s, w2s.stride(0), w2s.stride(1), w2s.stride(2))
     else:  # never read (FP8=False): any pointer and zero strides
-        xs_args, w13s_args, w2s_args = (out32, 0), (out32, 0, 0, 0), (out32, 0, 0, 0)
+        xs_args, w13s_args, w2s_args = (out, 0), (out, 0, 0, 0), (out, 0, 0, 0)
     soft = fp8 and _interpreting()
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
-            x2d, w13, w2, out32, wptr, *addr, num_m, H, N,
+            x2d, w13, w2, out, wptr, *addr, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
+            w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
         )
-        return
+        return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
-    inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=x2d.device)
+    inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=device)
     if fp8:
-        inter_s = torch.empty(al.capacity, N // FP8_GROUP, dtype=torch.float32, device=x2d.device)
+        inter_s = torch.empty(al.capacity, N // FP8_GROUP, dtype=torch.float32, device=device)
         is_args = (inter_s, inter_s.stride(0))
     else:
-        is_args = (out32, 0)
+        is_args = (out, 0)
     grid1 = (num_m * triton.cdiv(N, c.bn),)
     _gemm1_swiglu_kernel[grid1](
         x2d, w13, inter, *addr, num_m, H, N,
@@ -488,15 +612,27 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
         SOFT_ROUND=soft, **launch,
     )
+    if decode:
+        ids, num_tokens, top_k, num_experts = addr[4:]
+        _gemm2_decode_kernel[(triton.cdiv(H, c.bn),)](
+            inter, w2, out, wptr, ids, num_tokens, top_k, num_experts, H, N,
+            inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+            is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
+            MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, c.bk), RUNTIME_TRIP=not _interpreting(),
+            KP=addr_const["KP"], BINS=addr_const["BINS"],
+            BM=c.bm, BN=c.bn, BK=c.bk, PRECISION=prec, FP8=fp8, **launch,
+        )
+        return out
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
     _gemm2_kernel[grid2](
-        inter, w2, out32, wptr, *addr, num_m, H, N,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out32.stride(0),
+        inter, w2, out, wptr, *addr, num_m, H, N,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=triton.cdiv(triton.cdiv(N, c.bk), c.split_k),
         BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
+    return out.to(out_dtype)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,16 +704,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if fp8:
         x, xs = _fp8_activations(x, x_scale, "x_scale")
         scales = (xs, w13_scale, w2_scale)
-    out32 = torch.zeros(M, H, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
-        return out32.to(out_dtype)
+        return torch.zeros(M, H, dtype=out_dtype, device=x.device)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
         al = align_tokens(topk_ids, E, config.bm)
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
-    _run(x, w13, w2, weights, al, out32, a_div=K, out_div=K, config=config, scales=scales)
-    return out32.to(out_dtype)
+    return _run(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales)
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
@@ -620,14 +754,14 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
     else:
         _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
     out_dtype = torch.bfloat16 if tokens.dtype == _FP8 else tokens.dtype
-    out32 = torch.zeros(E * cap, H, dtype=torch.float32, device=tokens.device)
-    if E * cap:
-        a = tokens.contiguous().reshape(E * cap, H)
-        scales = None
-        if fp8:
-            ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
-            a, xs = _fp8_activations(a, ts, "token_scales")
-            scales = (xs, w13_scale, w2_scale)
-        al = align_expert_major(counts, cap, config.bm)
-        _run(a, w13_local, w2_local, None, al, out32, a_div=1, out_div=1, config=config, scales=scales)
-    return out32.reshape(E, cap, H).to(out_dtype)
+    if not E * cap:
+        return torch.zeros(E, cap, H, dtype=out_dtype, device=tokens.device)
+    a = tokens.contiguous().reshape(E * cap, H)
+    scales = None
+    if fp8:
+        ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
+        a, xs = _fp8_activations(a, ts, "token_scales")
+        scales = (xs, w13_scale, w2_scale)
+    al = align_expert_major(counts, cap, config.bm)
+    out = _run(a, w13_local, w2_local, None, al, E * cap, out_dtype, a_div=1, out_div=1, config=config, scales=scales)
+    return out.reshape(E, cap, H)
