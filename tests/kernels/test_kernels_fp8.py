@@ -7,7 +7,7 @@ Two references, both built from the dequantized inputs the kernel sees (e4m3 wei
   does before the down-projection. With a float32 output the kernel should match it to float32
   rounding (a few 1e-7 measured; 1e-4 leaves room for an occasional e4m3 rounding flip of one
   intermediate element, which float32 vs float64 SwiGLU values can cause). Natively on a GPU the
-  bound is 3e-3 (Hopper's reduced-precision fp8 accumulation; see ``EMU_TOL``).
+  bound is 1e-2 (Hopper's reduced-precision fp8 accumulation; see ``EMU_TOL``).
 * ``reference_moe`` on the dequantized weights and activations (no intermediate quantization):
   DeepEP's ``calc_diff`` must stay below 1e-3, the issue's acceptance bound.
 
@@ -47,11 +47,13 @@ SHAPE = MoEShape("tiny-fp8", num_experts=4, top_k=2, hidden=256, intermediate=25
 # each chunk's sum carries ~1e-4 relative error before the float32 promotion, and where that moves
 # a SwiGLU value across an e4m3 rounding boundary the re-quantized intermediate differs from the
 # emulation by a whole e4m3 step (~6 %) in that element. Measured on an H200: up to 3.4e-4 for most
-# configs, 1.29e-3 for one (bm=128, 8 warps, ed66f5d). 3e-3 covers that; a scale on the wrong block
-# (magnitudes spread over 2**-2 .. 2**2) still gives errors of order 1, and the issue's own bound
-# (calc_diff < 1e-3 against the unquantized-intermediate reference) is checked separately.
+# configs, but 1.3e-3 to 3.5e-3 for bm = 128 with 8 warps (two_launch, sorted and direct), whose
+# 128-row tiles go through the warpgroup MMA. So natively the bound is 1e-2, as in
+# tests/gpu/test_fused_moe_fp8_gpu.py; a scale on the wrong block (magnitudes spread over
+# 2**-2 .. 2**2) still gives errors of order 1, and the issue's own bound (calc_diff < 1e-3
+# against the unquantized-intermediate reference) is checked separately.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-EMU_TOL = 1e-4 if INTERPRETED else 3e-3
+EMU_TOL = 1e-4 if INTERPRETED else 1e-2
 CALC_DIFF_MAX = 1e-3  # vs the unquantized-intermediate reference (the bound)
 
 # A sample of both forms: every bm, bn 128 and 256 (spanning two weight scale blocks), split-K

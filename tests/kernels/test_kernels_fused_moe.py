@@ -136,6 +136,13 @@ def test_all_slots_masked(form, alignment):
     assert (y == 0).all()
 
 
+def test_decode_column_tile_fills_the_gpu():
+    from moekit.kernels.fused_moe import _decode_column_tile
+
+    cpu = torch.device("cpu")  # assumed 132 SMs, as an H100/H200
+    assert [_decode_column_tile(H, cpu) for H in (2048, 4096, 7168, 384, 16384)] == [16, 32, 32, 16, 64]
+
+
 def test_decode_schedule_is_deterministic():
     """No atomics in the decode schedule: the same call gives the same bits."""
     x, w, ids, tw = _case(9, seed=13)

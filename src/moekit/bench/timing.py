@@ -62,11 +62,12 @@ def _elapsed_us(starts: list, ends: list) -> list[float]:
     return [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
 
 
-def _time_with_events(
+def _queue_with_events(
     fn: Callable[[], object], iters: int, device: torch.device, before_each=None
-) -> list[float]:
-    """Bracket each call of ``fn`` with CUDA events; one host sync, at the end.
+) -> Callable[[], list[float]]:
+    """Bracket each call of ``fn`` with CUDA events, without waiting for the GPU.
 
+    Returns a function that waits for the last event and gives the samples (µs).
     ``before_each`` runs before the start event is recorded (outside the timed region);
     :func:`time_distributed` uses it to align the ranks.
     """
@@ -84,8 +85,21 @@ def _time_with_events(
             start.record(stream)
             fn()
             end.record(stream)
-        torch.cuda.synchronize()
-    return _elapsed_us(starts, ends)
+
+    def samples() -> list[float]:
+        ends[-1].synchronize()
+        return _elapsed_us(starts, ends)
+
+    return samples
+
+
+def _time_with_events(
+    fn: Callable[[], object], iters: int, device: torch.device, before_each=None
+) -> list[float]:
+    """Bracket each call of ``fn`` with CUDA events; one host sync, at the end."""
+    samples = _queue_with_events(fn, iters, device, before_each)
+    torch.cuda.synchronize(device)
+    return samples()
 
 
 def _time_with_host_clock(
@@ -427,17 +441,44 @@ def time_cold(
         run = capture_graph(fn, warmup=1).replay if capture else fn
         if flusher is None and flush_bytes:
             flusher = L2Flusher(flush_bytes, device)
-        sleep_cycles = int(queue_ahead_us * _SLEEP_CYCLES_PER_US)
-        can_sleep = sleep_cycles > 0 and hasattr(torch.cuda, "_sleep")
+    samples = queue_cold(run, iters=iters, warmup=warmup, flusher=flusher, queue_ahead_us=queue_ahead_us,
+                         device=device)
+    torch.cuda.synchronize(device)
+    return samples()
 
-        def before_each() -> None:
-            if flusher is not None:
-                flusher()
-            if can_sleep:
-                torch.cuda._sleep(sleep_cycles)
 
+def queue_cold(
+    run: Callable[[], object],
+    *,
+    iters: int,
+    warmup: int,
+    flusher: L2Flusher | None = None,
+    queue_ahead_us: float = 20.0,
+    device: torch.device | str | int | None = None,
+) -> Callable[[], list[float]]:
+    """:func:`time_cold`'s iterations for ``run`` (called as it is: pass a captured graph's
+    ``replay``), queued without waiting for the GPU.
+
+    Returns a function that waits for the last iteration and gives the samples (µs). Several
+    measurements can be queued back to back this way (with other GPU work between them, e.g.
+    copying new inputs into the graph's buffers) and read after one wait: the host then never
+    stalls the GPU between them. CUDA only.
+    """
+    _check_counts(iters, warmup)
+    _require_cuda("queue_cold")
+    device = _resolve_device(device)
+    sleep_cycles = int(queue_ahead_us * _SLEEP_CYCLES_PER_US)
+    can_sleep = sleep_cycles > 0 and hasattr(torch.cuda, "_sleep")
+
+    def before_each() -> None:
+        if flusher is not None:
+            flusher()
+        if can_sleep:
+            torch.cuda._sleep(sleep_cycles)
+
+    with torch.cuda.device(device):
         for _ in range(warmup):
             before_each()
             run()
         # No synchronize here: the queue stays ahead of the GPU into the timed iterations.
-        return _time_with_events(run, iters, device, before_each=before_each)
+        return _queue_with_events(run, iters, device, before_each=before_each)

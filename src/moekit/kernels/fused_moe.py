@@ -52,6 +52,8 @@ is DeepSeek-V3's "promote every 128" scheme. The constraints on configurations a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks
@@ -549,6 +551,27 @@ def _decode_schedule(config: KernelConfig, al: Alignment | DirectBlocks) -> bool
     return config.form == "two_launch" and config.split_k == 1 and isinstance(al, DirectBlocks)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: as an H100/H200
+
+
+def _decode_column_tile(H: int, device: torch.device) -> int:
+    """The decode schedule's GEMM2 column tile (not the config's bn, which tiles GEMM1 there).
+
+    Each of its CTAs reads the w2 rows of its tile for every named expert, so the grid is
+    ``ceil(H / tile)`` CTAs whatever the routing: the widest tile in 64, 32, 16 whose grid still
+    covers about the whole GPU (90 % of its SMs). H = 2048 gives 16 (128 CTAs), 4096 gives 32,
+    7168 gives 32 (224 CTAs) on a 132-SM H100/H200.
+    """
+    tile = 64
+    while tile > 16 and -(-H // tile) < 0.9 * _sm_count(device):
+        tile //= 2
+    return tile
+
+
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
          al: Alignment | DirectBlocks, out_rows: int, out_dtype: torch.dtype, a_div: int, out_div: int,
          config: KernelConfig, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -614,13 +637,14 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
-        _gemm2_decode_kernel[(triton.cdiv(H, c.bn),)](
+        bn2 = _decode_column_tile(H, device)
+        _gemm2_decode_kernel[(triton.cdiv(H, bn2),)](
             inter, w2, out, wptr, ids, num_tokens, top_k, num_experts, H, N,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
             MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, c.bk), RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
-            BM=c.bm, BN=c.bn, BK=c.bk, PRECISION=prec, FP8=fp8, **launch,
+            BM=c.bm, BN=bn2, BK=c.bk, PRECISION=prec, FP8=fp8, **launch,
         )
         return out
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
