@@ -13,23 +13,36 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SHARDS=${SHARDS:-7}  # 2 x SHARDS + 2 processes: one per core of the 16
+SHARDS=${SHARDS:-8}
 commit=${MOEKIT_GIT_COMMIT:-unknown}
 logs=$(mktemp -d)
 pytest_args=(-q -rf -p no:cacheprovider --tb=short)
 T=(timeout "${TEST_TIMEOUT_S:-540}")
+# PARTS picks the process groups (default all): native bench bf16 fp8. Too many processes on
+# one GPU time-slice it into a crawl (16 at once stalled at db3efa7): split them over two calls
+# (the Triton cache of the warm machine carries over), e.g. PARTS="native bf16", then "fp8 bench".
+PARTS=${PARTS:-native bench bf16 fp8}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 declare -A pids
-"${T[@]}" python3 -m pytest tests/gpu/test_align_gpu.py tests/kernels "${pytest_args[@]}" > "$logs/native.txt" 2>&1 &
-pids[native]=$!
-"${T[@]}" python3 -m pytest tests/gpu/test_kernel_bench_gpu.py "${pytest_args[@]}" -s > "$logs/bench.txt" 2>&1 &
-pids[bench]=$!
+if want native; then
+  "${T[@]}" python3 -m pytest tests/gpu/test_align_gpu.py tests/kernels "${pytest_args[@]}" > "$logs/native.txt" 2>&1 &
+  pids[native]=$!
+fi
+if want bench; then
+  "${T[@]}" python3 -m pytest tests/gpu/test_kernel_bench_gpu.py "${pytest_args[@]}" -s > "$logs/bench.txt" 2>&1 &
+  pids[bench]=$!
+fi
 for i in $(seq 0 $((SHARDS - 1))); do
-  MOEKIT_GPU_SHARD=$i/$SHARDS "${T[@]}" python3 -m pytest tests/gpu/test_fused_moe_gpu.py "${pytest_args[@]}" \
-    > "$logs/bf16_$i.txt" 2>&1 &
-  pids[bf16_$i]=$!
-  MOEKIT_GPU_SHARD=$i/$SHARDS "${T[@]}" python3 -m pytest tests/gpu/test_fused_moe_fp8_gpu.py "${pytest_args[@]}" -s \
-    > "$logs/fp8_$i.txt" 2>&1 &
-  pids[fp8_$i]=$!
+  if want bf16; then
+    MOEKIT_GPU_SHARD=$i/$SHARDS "${T[@]}" python3 -m pytest tests/gpu/test_fused_moe_gpu.py "${pytest_args[@]}" \
+      > "$logs/bf16_$i.txt" 2>&1 &
+    pids[bf16_$i]=$!
+  fi
+  if want fp8; then
+    MOEKIT_GPU_SHARD=$i/$SHARDS "${T[@]}" python3 -m pytest tests/gpu/test_fused_moe_fp8_gpu.py "${pytest_args[@]}" -s \
+      > "$logs/fp8_$i.txt" 2>&1 &
+    pids[fp8_$i]=$!
+  fi
 done
 status=0
 summary=""
@@ -45,6 +58,6 @@ done
   for f in "$logs"/*.txt; do echo "===== $(basename "$f")"; cat "$f"; done
   echo "===== summary"
   printf '%s' "$summary" | sort
-} > "$OUT/gpu-tests-$commit.txt"
+} > "$OUT/gpu-tests-$commit-${PARTS// /-}.txt"
 printf '%s' "$summary" | sort
 exit $status
