@@ -3,13 +3,14 @@
 #
 # Usage (device machine, repo root):
 #   MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/kernel.sh PART [extra bench options]
-# PART (estimates from `--dry-run`'s rough cost model x 1.3, the rate measured on the H200,
-# plus ~50 s of compiles per shape; each part prints its real rate):
-#   1      olmoe-1b-7b + qwen3-30b-a3b                               (~7 min)
-#   2      deepseek-v3-tp8                                           (~7 min)
-#   3      deepseek-v3-ep32                                          (~7 min)
-#   4      mixtral-8x7b, M <= 1024                                   (~6 min)
-#   5      mixtral-8x7b, M = 4096                                    (~5.5 min)
+# PART (one shape or a slice of one per call; at 96fe942 olmoe-1b-7b took ~400 s, M <= 16 groups
+# being host-bound at ~55 s each, see docs/kernel.md; each part prints its real rate):
+#   1      olmoe-1b-7b
+#   2      qwen3-30b-a3b
+#   3      deepseek-v3-tp8
+#   4      deepseek-v3-ep32
+#   5      mixtral-8x7b, M <= 1024
+#   6      mixtral-8x7b, M = 4096
 #   custom only the extra options (e.g. `custom --models deepseek-v3-ep32 --m 4096`)
 # The GPU tests of the kernels and of this bench are benchmarks/gpu/kernel_tests.sh.
 # Each part stops starting new (shape, M) groups at --deadline-s (default 540 s after the
@@ -23,13 +24,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 part=${1:-1}; shift || true
 deadline=${KERNEL_DEADLINE_S:-540}
 case "$part" in
-  1) args=(--models olmoe-1b-7b qwen3-30b-a3b) ;;
-  2) args=(--models deepseek-v3-tp8) ;;
-  3) args=(--models deepseek-v3-ep32) ;;
-  4) args=(--models mixtral-8x7b --m 1 4 16 64 256 1024) ;;
-  5) args=(--models mixtral-8x7b --m 4096) ;;
+  1) args=(--models olmoe-1b-7b) ;;
+  2) args=(--models qwen3-30b-a3b) ;;
+  3) args=(--models deepseek-v3-tp8) ;;
+  4) args=(--models deepseek-v3-ep32) ;;
+  5) args=(--models mixtral-8x7b --m 1 4 16 64 256 1024) ;;
+  6) args=(--models mixtral-8x7b --m 4096) ;;
   custom) args=() ;;
-  *) echo "unknown part $part (1-5 or custom)"; exit 2 ;;
+  *) echo "unknown part $part (1-6 or custom)"; exit 2 ;;
 esac
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
