@@ -143,6 +143,20 @@ def test_decode_column_tile_fills_the_gpu():
     assert [_decode_column_tile(H, cpu) for H in (2048, 4096, 7168, 384, 16384)] == [16, 32, 32, 16, 64]
 
 
+def test_decode_gemm2_chunk_is_widened_to_16_kb():
+    """The decode GEMM2 loads about 8192 w2 elements per chunk (capped by N), never fewer than
+    the config's bk; FP8 keeps one 128-wide scale block per chunk."""
+    from moekit.kernels.fused_moe import _decode_gemm2_tiles
+
+    cpu = torch.device("cpu")
+    assert _decode_gemm2_tiles(2048, 1024, 128, False, cpu) == (16, 512)  # olmoe
+    assert _decode_gemm2_tiles(7168, 256, 64, False, cpu) == (32, 256)  # deepseek-v3 TP8: N caps it
+    assert _decode_gemm2_tiles(7168, 2048, 64, False, cpu) == (32, 256)
+    assert _decode_gemm2_tiles(16384, 4096, 256, False, cpu) == (64, 256)  # never below bk
+    assert _decode_gemm2_tiles(48, 40, 32, False, cpu) == (16, 64)  # the tests' tiny shape
+    assert _decode_gemm2_tiles(2048, 1024, 128, True, cpu) == (16, 128)
+
+
 def test_decode_schedule_is_deterministic():
     """No atomics in the decode schedule: the same call gives the same bits."""
     x, w, ids, tw = _case(9, seed=13)

@@ -88,6 +88,11 @@ if HAVE_TRITON:
     # FP8 is a constexpr: with FP8=False the scale arguments are never read (any pointer, zero
     # strides) and the compiled bf16/fp16/fp32 kernels are the same as before the FP8 path.
     _SB = tl.constexpr(FP8_GROUP)  # scale block: 128 columns of activations, 128x128 of weights
+    # Integer arguments that change with the batch. Triton would otherwise compile a variant
+    # per value class (== 1, multiple of 16, other): three binaries per kernel over M = 1, 4,
+    # 16, each compiled and loaded once per process, for no speed-up (these only bound masks).
+    _NO_SPECIALIZE = ["num_pairs", "num_tokens", "top_k", "num_experts", "num_m"]
+    _NO_SPECIALIZE_DECODE = ["num_tokens", "top_k", "num_experts"]
 
     @triton.jit
     def _block_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
@@ -231,7 +236,7 @@ if HAVE_TRITON:
             u_ptrs += BK * stride_wk
         return acc_g * tl.sigmoid(acc_g) * acc_u
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _gemm1_swiglu_kernel(
         x_ptr, w13_ptr, inter_ptr,
         sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
@@ -310,7 +315,7 @@ if HAVE_TRITON:
             b_ptrs += BK * stride_wk
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _gemm2_kernel(
         inter_ptr, w2_ptr, out_ptr, weights_ptr,
         sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
@@ -374,7 +379,7 @@ if HAVE_TRITON:
             acc += tl.dot(a, b, input_precision=PRECISION) * w[:, None]
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE_DECODE)
     def _gemm2_decode_kernel(
         inter_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, num_tokens, top_k, num_experts,
         H: tl.constexpr, N: tl.constexpr,
@@ -413,7 +418,7 @@ if HAVE_TRITON:
         o_ptrs = out_ptr + tok[:, None] * stride_om + offs_h[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tok < num_tokens)[:, None] & (offs_h < H)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
         x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr,
         sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
@@ -572,6 +577,26 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
     return tile
 
 
+# w2 elements one decode-GEMM2 CTA loads per reduction chunk: 16 KB in bf16. With a 16-column
+# tile and the config's bk = 128, a chunk would be 4 KB, and a CTA with its few pipeline stages
+# in flight could not cover HBM latency (Little's law: ~32 GB/s per SM for the copy rate).
+DECODE_W2_CHUNK_ELEMS = 8192
+
+
+def _decode_gemm2_tiles(H: int, N: int, bk: int, fp8: bool, device: torch.device) -> tuple[int, int]:
+    """(column tile, reduction chunk) of the decode schedule's GEMM2.
+
+    The column tile is :func:`_decode_column_tile`'s. The chunk is the config's bk widened
+    until a chunk of w2 is ``DECODE_W2_CHUNK_ELEMS`` elements (at most N rounded up to a power
+    of two); FP8 keeps bk = 128, one scale block per chunk.
+    """
+    bn = _decode_column_tile(H, device)
+    if fp8:
+        return bn, bk
+    n_cap = 1 << max(0, N - 1).bit_length()
+    return bn, max(bk, min(DECODE_W2_CHUNK_ELEMS // bn, n_cap))
+
+
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
          al: Alignment | DirectBlocks, out_rows: int, out_dtype: torch.dtype, a_div: int, out_div: int,
          config: KernelConfig, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -637,14 +662,14 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
-        bn2 = _decode_column_tile(H, device)
+        bn2, bk2 = _decode_gemm2_tiles(H, N, c.bk, fp8, device)
         _gemm2_decode_kernel[(triton.cdiv(H, bn2),)](
             inter, w2, out, wptr, ids, num_tokens, top_k, num_experts, H, N,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
-            MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, c.bk), RUNTIME_TRIP=not _interpreting(),
+            MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
-            BM=c.bm, BN=bn2, BK=c.bk, PRECISION=prec, FP8=fp8, **launch,
+            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
         )
         return out
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)

@@ -1,0 +1,184 @@
+"""Developer probe of the fused MoE kernel at decode sizes (M <= 16) on one GPU.
+
+Not the dataset (that is `moekit bench kernel`). For the points where the M <= 16 goal is
+hardest (few small experts touched), it measures:
+
+1. every bm = 16 config of the space without swizzle or split-K: under direct addressing the
+   decode schedule (two_launch) and the fused form; the whole call, CUDA-graph replay with the
+   L2 flushed before each (as the bench);
+2. for the best decode-schedule config of each point, the decode GEMM2's (column tile,
+   reduction chunk) overridden over a list of alternatives (``fused_moe._decode_gemm2_tiles``);
+3. for the best config of each form, the per-kernel GPU time from the CUDA profiler (eager
+   calls, each after a flush), so the gap between kernels and their sum is visible.
+
+Usage (device machine, repo root):
+    PYTHONPATH=src python3 benchmarks/gpu/decode_probe.py --out $OUT/decode-probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+import torch
+
+from moekit.bench.kernel import bench_shape, config_id, measure_ceilings, point_routing, point_work
+from moekit.bench.report import environment
+from moekit.bench.stats import summarize
+from moekit.bench.timing import L2Flusher, time_cold
+from moekit.kernels import KernelConfig, config_space, fused_moe
+
+fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (the package exports a function of that name)
+
+POINTS = ((1, 1.0), (4, 0.25), (16, 0.25), (16, 1.0))
+SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
+GEMM2_TILES = ((16, 128), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+
+
+def decode_configs(name: str) -> list[KernelConfig]:
+    """bm = 16 configs without swizzle (one block per expert) and without split-K."""
+    return [c for c in config_space(bench_shape(name).moe_shape, "cuda")
+            if c.bm == 16 and c.group_m == 1 and c.split_k == 1]
+
+
+def _warm(task) -> str | None:
+    name, cfg = task
+    s = bench_shape(name)
+    dev = torch.device("cuda", 0)
+    w13 = torch.empty(s.num_experts, 2 * s.intermediate, s.hidden, device=dev, dtype=torch.bfloat16)
+    w2 = torch.empty(s.num_experts, s.hidden, s.intermediate, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, s.hidden, device=dev, dtype=torch.bfloat16)
+    ids = torch.randint(0, s.num_experts, (1, s.top_k), device=dev)
+    try:
+        fused_moe(x, w13, w2, ids, torch.rand(1, s.top_k, device=dev), KernelConfig(**cfg))
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - reported, the run goes on
+        return f"{name} {cfg}: {type(error).__name__}: {str(error)[:200]}"
+    return None
+
+
+def median_us(fn, flusher, iters) -> float:
+    return summarize(time_cold(fn, iters=iters, warmup=3, capture=True, flush_bytes=0, flusher=flusher))["median"]
+
+
+def kernel_breakdown(fn, flusher, iters: int = 20) -> dict[str, float]:
+    """Mean GPU µs per call of each kernel ``fn`` launches (eager, one flush before each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            if flusher is not None:
+                flusher()
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:60]] += e.time_range.elapsed_us()
+    return {k: v / iters for k, v in total.items() if "reduce_kernel" not in k}  # (the flush's sum)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--out", default="decode-probe.json")
+    args = p.parse_args()
+    dev = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    tasks = [(n, asdict(c)) for n in args.shapes for c in decode_configs(n)]
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
+    print(f"compiled {len(tasks)} configs in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
+    for e in errors:
+        print("  ", e)
+    ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
+    hbm = ceil["hbm_gbps"]
+    print(f"ceilings: HBM copy {hbm:.0f} GB/s", flush=True)
+    flusher = L2Flusher(256 << 20, dev)
+    default_tiles = fm_module._decode_gemm2_tiles
+    rows = []
+    for name in args.shapes:
+        s = bench_shape(name)
+        g = torch.Generator(device=dev).manual_seed(17)
+        w13 = torch.randn(s.num_experts, 2 * s.intermediate, s.hidden, generator=g, device=dev,
+                          dtype=torch.bfloat16).mul_(s.hidden ** -0.5)
+        w2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g, device=dev,
+                         dtype=torch.bfloat16).mul_(s.intermediate ** -0.5)
+        configs = decode_configs(name)
+        for M, beta in POINTS:
+            r = point_routing(s, M, beta, 1000 + M)
+            work = point_work(s, r.ids, 2)
+            x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
+            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            fl = flusher if work["weight_bytes"] < 4 * (60 << 20) else None
+
+            def pct(us):
+                return 100 * work["bytes"] / (us * 1e-6) / 1e9 / hbm
+
+            def call(c):
+                return lambda: fused_moe(x, w13, w2, ids, tw, c)
+
+            ref = fused_moe(x, w13, w2, ids, tw, KernelConfig(bm=16, bn=64, bk=64, split_k=4)).float()
+            row = {"shape": name, "M": M, "beta": beta, **work, "configs": {}, "gemm2_tiles": {}, "kernels": {}}
+            for c in configs:
+                try:
+                    fn = call(c)
+                    err = float((fn().float() - ref).norm() / ref.norm())
+                    row["configs"][config_id(c)] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
+                except Exception as error:  # noqa: BLE001
+                    row["configs"][config_id(c)] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
+            ok = {c: row["configs"][config_id(c)] for c in configs if "us" in row["configs"][config_id(c)]}
+            by_form = {f: min((c for c in ok if c.form == f), key=lambda c: ok[c]["us"], default=None)
+                       for f in ("two_launch", "fused")}
+            best_t = by_form["two_launch"]
+            if best_t is not None:
+                for bn2, bk2 in GEMM2_TILES:
+                    if bk2 > max(best_t.bk, 1 << (s.intermediate - 1).bit_length()):
+                        continue
+                    fm_module._decode_gemm2_tiles = lambda H, N, bk, fp8, device, t=(bn2, bk2): t
+                    try:
+                        fn = call(best_t)
+                        err = float((fn().float() - ref).norm() / ref.norm())
+                        row["gemm2_tiles"][f"{bn2}x{bk2}"] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
+                    except Exception as error:  # noqa: BLE001
+                        row["gemm2_tiles"][f"{bn2}x{bk2}"] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
+                    finally:
+                        fm_module._decode_gemm2_tiles = default_tiles
+            for f, c in by_form.items():
+                if c is not None:
+                    row["kernels"][config_id(c)] = kernel_breakdown(call(c), fl)
+            rows.append(row)
+            print(f"{name:16s} M={M:3d} b={beta:4.2f} experts={work['touched_experts']:3d} "
+                  f"roofline {work['bytes'] / hbm / 1e3:6.1f} us", flush=True)
+            for c in sorted(ok, key=lambda c: ok[c]["us"])[:8]:
+                print(f"      {config_id(c):36s} {ok[c]['us']:8.1f} us  hbm {pct(ok[c]['us']):5.1f}%"
+                      f"  err {ok[c]['rel_err']:.1e}")
+            for k, v in row["gemm2_tiles"].items():
+                if "us" in v:
+                    print(f"      gemm2 tile {k:9s} (with {config_id(best_t)}) {v['us']:8.1f} us"
+                          f"  hbm {pct(v['us']):5.1f}%  err {v['rel_err']:.1e}")
+            for k, ker in row["kernels"].items():
+                parts = ", ".join(f"{n.split('(')[0][:28]} {us:.1f}" for n, us in ker.items())
+                print(f"      kernels of {k}: {parts} (sum {sum(ker.values()):.1f} us)")
+        del w13, w2
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"environment": environment(), "ceilings": ceil, "rows": rows, "compile_errors": errors,
+                   "seconds": time.perf_counter() - t0}, f, indent=1)
+    print(f"done in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
