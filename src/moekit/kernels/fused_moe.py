@@ -114,35 +114,39 @@ if HAVE_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM: tl.constexpr, KP: tl.constexpr,
-                        BINS: tl.constexpr):
+    def _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM: tl.constexpr, KP: tl.constexpr,
+                        BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr):
         """Direct addressing, once per program: the [BM, KP] ids of the tokens (-1 past the
-        end), their validity, their flat offsets, and ``named[b]``, how many distinct experts
-        <= b the routing names (a cumsum over the ids' histogram)."""
+        end), their validity, their routing weights (zeros unless MUL_WEIGHT), and ``named[b]``,
+        how many distinct experts <= b the routing names (a cumsum over the ids' histogram).
+
+        The weights are loaded here, with the ids, so that no later step (in particular no
+        iteration of the decode GEMM2's loop) waits on a global load that is not pipelined."""
         tok = tl.arange(0, BM)
         slot = tl.arange(0, KP)
         offs = tok[:, None] * top_k + slot[None, :]
         in_range = (tok < num_tokens)[:, None] & (slot < top_k)[None, :]
         ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
         valid = (ids >= 0) & (ids < num_experts)
+        if MUL_WEIGHT:
+            wts = tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        else:
+            wts = tl.zeros((BM, KP), tl.float32)
         hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0), (BM * KP,)), BINS, mask=tl.reshape(valid, (BM * KP,)))
         named = tl.cumsum((hist > 0).to(tl.int32), 0)
-        return ids, valid, offs, named
+        return ids, valid, wts, named
 
     @triton.jit
-    def _direct_block(j, ids, valid, offs, named, weights_ptr, num_experts, BM: tl.constexpr,
-                      MUL_WEIGHT: tl.constexpr):
+    def _direct_block(j, ids, valid, wts, named, num_experts, BM: tl.constexpr):
         """Direct addressing: block ``j`` serves the j-th smallest named expert; its rows are
-        the tokens that picked it, each with the sum of its slots' weights for that expert."""
+        the tokens that picked it, each with the sum of its slots' weights for that expert
+        (from the weights ``_direct_routing`` loaded: registers only)."""
         expert = tl.sum((named <= j).to(tl.int32), 0)  # BINS (>= E) past the last named expert
         live = expert < num_experts
         match = valid & (ids == expert)
         row_ok = tl.max(match.to(tl.int32), 1) > 0
         tok = tl.arange(0, BM)
-        if MUL_WEIGHT:
-            w = tl.sum(tl.load(weights_ptr + offs, mask=match, other=0.0).to(tl.float32), 1)
-        else:
-            w = tl.zeros((BM,), tl.float32)
+        w = tl.sum(tl.where(match, wts, 0.0), 1)
         return live, expert, j * BM + tok, tok.to(tl.int64), row_ok, w
 
     @triton.jit
@@ -171,9 +175,9 @@ if HAVE_TRITON:
         several slots gets the sum of those slots' weights.
         """
         if DIRECT:
-            ids, valid, offs, named = _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM, KP, BINS)
-            live, expert, rows, a_rows, row_ok, w = _direct_block(pid_m, ids, valid, offs, named, weights_ptr,
-                                                                  num_experts, BM, MUL_WEIGHT)
+            ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP,
+                                                     BINS, MUL_WEIGHT)
+            live, expert, rows, a_rows, row_ok, w = _direct_block(pid_m, ids, valid, wts, named, num_experts, BM)
             out_rows = a_rows
         else:
             live = pid_m * BM < tl.load(num_padded_ptr)
@@ -351,7 +355,7 @@ if HAVE_TRITON:
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
-    def _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr, offs_h,
+    def _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
                      num_experts, H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                      stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS: tl.constexpr, BM: tl.constexpr,
                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
@@ -360,7 +364,7 @@ if HAVE_TRITON:
         named expert reads nothing and adds zero."""
         j = it // N_CHUNKS
         c = it % N_CHUNKS
-        live, expert, rows, _, row_ok, w = _direct_block(j, ids, valid, offs, named, weights_ptr, num_experts, BM, True)
+        live, expert, rows, _, row_ok, w = _direct_block(j, ids, valid, wts, named, num_experts, BM)
         rows64 = rows.to(tl.int64)
         h_ok = offs_h < H
         offs_k = tl.arange(0, BK)
@@ -402,16 +406,16 @@ if HAVE_TRITON:
         the ones past the last named are masked out (no loads, zero contribution).
         FP8: as ``_down_tile``."""
         offs_h = tl.program_id(0) * BN + tl.arange(0, BN)
-        ids, valid, offs, named = _direct_routing(ids_ptr, num_tokens, top_k, num_experts, BM, KP, BINS)
+        ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS, True)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if RUNTIME_TRIP:
             for it in range(0, tl.max(named, 0) * N_CHUNKS):
-                acc = _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr,
+                acc = _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
                                    offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
                                    stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
         else:
             for it in range(0, MAX_BLOCKS * N_CHUNKS):
-                acc = _decode_step(acc, it, ids, valid, offs, named, inter_ptr, w2_ptr, weights_ptr, is_ptr, ws_ptr,
+                acc = _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
                                    offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
                                    stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
         tok = tl.arange(0, BM).to(tl.int64)
