@@ -7,7 +7,7 @@ hardest (few small experts touched), it measures:
    decode schedule (two_launch) and the fused form; the whole call, CUDA-graph replay with the
    L2 flushed before each (as the bench);
 2. for the best decode-schedule config of each point, the decode GEMM2's (column tile,
-   reduction chunk) overridden over a list of alternatives (``fused_moe._decode_gemm2_tiles``);
+   reduction chunk, stages) overridden over a list of alternatives (``fused_moe._decode_gemm2_plan``);
 3. for the best config of each form, the per-kernel GPU time from the CUDA profiler (eager
    calls, each after a flush), so the gap between kernels and their sum is visible.
 
@@ -39,7 +39,9 @@ fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (the package 
 
 POINTS = ((1, 1.0), (4, 0.25), (16, 0.25), (16, 1.0))
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
-GEMM2_TILES = ((16, 128), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+# (column tile, reduction chunk, pipeline stages) of the decode GEMM2; None = the default plan.
+GEMM2_PLANS = (None, (16, 512, 3), (16, 512, 4), (16, 256, 6), (16, 1024, 3), (32, 256, 4), (32, 256, 6),
+               (32, 512, 4), (64, 128, 6), (64, 256, 5))
 
 
 def decode_configs(name: str) -> list[KernelConfig]:
@@ -106,7 +108,7 @@ def main() -> int:
     hbm = ceil["hbm_gbps"]
     print(f"ceilings: HBM copy {hbm:.0f} GB/s", flush=True)
     flusher = L2Flusher(256 << 20, dev)
-    default_tiles = fm_module._decode_gemm2_tiles
+    default_plan = fm_module._decode_gemm2_plan
     rows = []
     for name in args.shapes:
         s = bench_shape(name)
@@ -143,18 +145,23 @@ def main() -> int:
                        for f in ("two_launch", "fused")}
             best_t = by_form["two_launch"]
             if best_t is not None:
-                for bn2, bk2 in GEMM2_TILES:
-                    if bk2 > max(best_t.bk, 1 << (s.intermediate - 1).bit_length()):
+                for plan in GEMM2_PLANS:
+                    if plan is None:
+                        plan = default_plan(s.hidden, s.intermediate, best_t.bm, best_t.bk, 2, False, dev)
+                        key = f"{plan} (default)"
+                    else:
+                        key = str(plan)
+                    if plan[1] > max(best_t.bk, 1 << (s.intermediate - 1).bit_length()):
                         continue
-                    fm_module._decode_gemm2_tiles = lambda H, N, bk, fp8, device, t=(bn2, bk2): t
+                    fm_module._decode_gemm2_plan = lambda *_, p=plan: p
                     try:
                         fn = call(best_t)
                         err = float((fn().float() - ref).norm() / ref.norm())
-                        row["gemm2_tiles"][f"{bn2}x{bk2}"] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
+                        row["gemm2_tiles"][key] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
                     except Exception as error:  # noqa: BLE001
-                        row["gemm2_tiles"][f"{bn2}x{bk2}"] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
+                        row["gemm2_tiles"][key] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
                     finally:
-                        fm_module._decode_gemm2_tiles = default_tiles
+                        fm_module._decode_gemm2_plan = default_plan
             for f, c in by_form.items():
                 if c is not None:
                     row["kernels"][config_id(c)] = kernel_breakdown(call(c), fl)
@@ -166,7 +173,7 @@ def main() -> int:
                       f"  err {ok[c]['rel_err']:.1e}")
             for k, v in row["gemm2_tiles"].items():
                 if "us" in v:
-                    print(f"      gemm2 tile {k:9s} (with {config_id(best_t)}) {v['us']:8.1f} us"
+                    print(f"      gemm2 {k:24s} (with {config_id(best_t)}) {v['us']:8.1f} us"
                           f"  hbm {pct(v['us']):5.1f}%  err {v['rel_err']:.1e}")
             for k, ker in row["kernels"].items():
                 parts = ", ".join(f"{n.split('(')[0][:28]} {us:.1f}" for n, us in ker.items())
