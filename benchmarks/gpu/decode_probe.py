@@ -7,7 +7,7 @@ hardest (few small experts touched), it measures:
    decode schedule (two_launch) and the fused form; the whole call, CUDA-graph replay with the
    L2 flushed before each (as the bench);
 2. for the best decode-schedule config of each point, the decode GEMM2's (column tile,
-   reduction chunk, stages) overridden over a list of alternatives (``fused_moe._decode_gemm2_plan``);
+   reduction chunk) overridden over a list of alternatives (``fused_moe._decode_gemm2_plan``);
 3. for the best config of each form, the per-kernel GPU time from the CUDA profiler (eager
    calls, each after a flush), so the gap between kernels and their sum is visible.
 
@@ -39,9 +39,9 @@ fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (the package 
 
 POINTS = ((1, 1.0), (4, 0.25), (16, 0.25), (16, 1.0))
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
-# (column tile, reduction chunk, pipeline stages) of the decode GEMM2; None = the default plan.
-GEMM2_PLANS = (None, (16, 512, 3), (16, 512, 4), (16, 256, 6), (16, 1024, 3), (32, 256, 4), (32, 256, 6),
-               (32, 512, 4), (64, 128, 6), (64, 256, 5))
+# (column tile, reduction chunk) of the decode GEMM2 (the config's pipeline depth); None = the
+# default plan. (At 7e34ee8 the GEMM2 had its own depth; 5-6 stages measured slower than 3-4.)
+GEMM2_PLANS = (None, (16, 128), (16, 256), (16, 512), (16, 1024), (32, 256), (32, 512), (64, 128), (64, 256))
 
 
 def decode_configs(name: str) -> list[KernelConfig]:
@@ -147,7 +147,8 @@ def main() -> int:
             if best_t is not None:
                 for plan in GEMM2_PLANS:
                     if plan is None:
-                        plan = default_plan(s.hidden, s.intermediate, best_t.bm, best_t.bk, 2, False, dev)
+                        plan = default_plan(s.hidden, s.intermediate, best_t.bm, best_t.bk, best_t.num_stages, 2,
+                                            False, dev)
                         key = f"{plan} (default)"
                     else:
                         key = str(plan)

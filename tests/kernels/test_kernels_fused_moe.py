@@ -144,20 +144,20 @@ def test_decode_column_tile_fills_the_gpu():
 
 
 def test_decode_gemm2_plan():
-    """The decode GEMM2 loads about 8192 w2 elements per chunk (capped by N; not below the
-    config's bk unless two stages of a large bm would not fit; FP8: one 128-wide scale block),
-    with as many stages as fit 160 KB."""
+    """The decode GEMM2 widens the config's bk towards 8192 w2 elements per chunk (capped by N
+    and by the config's stages fitting 192 KB); FP8 keeps one 128-wide scale block."""
     from moekit.kernels.fused_moe import _decode_gemm2_plan
 
     cpu = torch.device("cpu")
-    assert _decode_gemm2_plan(2048, 1024, 16, 128, 2, False, cpu) == (16, 512, 5)  # olmoe: 32 KB a stage
-    assert _decode_gemm2_plan(2048, 1024, 32, 128, 2, False, cpu) == (16, 512, 3)
-    assert _decode_gemm2_plan(7168, 256, 16, 64, 2, False, cpu) == (32, 256, 6)  # deepseek-v3 TP8: N caps it
-    assert _decode_gemm2_plan(16384, 4096, 16, 256, 2, False, cpu) == (64, 256, 4)  # never below bk
-    assert _decode_gemm2_plan(48, 40, 16, 32, 2, False, cpu) == (16, 64, 6)  # the tests' tiny shape
-    assert _decode_gemm2_plan(2048, 1024, 16, 128, 1, True, cpu) == (16, 128, 6)
-    assert _decode_gemm2_plan(2048, 1024, 128, 128, 2, False, cpu) == (16, 256, 2)  # 2 stages of 72 KB
-    assert _decode_gemm2_plan(2048, 1024, 128, 128, 4, False, cpu) == (16, 128, 2)  # fp32
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 2, False, cpu) == (16, 512)  # olmoe: 16 KB of w2
+    assert _decode_gemm2_plan(2048, 768, 16, 128, 4, 2, False, cpu) == (16, 512)  # qwen3
+    assert _decode_gemm2_plan(7168, 256, 16, 64, 3, 2, False, cpu) == (32, 256)  # deepseek-v3 TP8: N caps it
+    assert _decode_gemm2_plan(16384, 4096, 16, 256, 3, 2, False, cpu) == (64, 256)  # never below bk
+    assert _decode_gemm2_plan(2048, 1024, 32, 128, 4, 2, False, cpu) == (16, 512)  # 4 stages of 48 KB fit
+    assert _decode_gemm2_plan(2048, 1024, 64, 64, 4, 2, False, cpu) == (16, 256)  # 4 of 80 KB would not
+    assert _decode_gemm2_plan(2048, 1024, 128, 64, 3, 2, False, cpu) == (16, 128)
+    assert _decode_gemm2_plan(48, 40, 16, 32, 3, 2, False, cpu) == (16, 64)  # the tests' tiny shape
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 1, True, cpu) == (16, 128)
 
 
 def test_decode_schedule_is_deterministic():

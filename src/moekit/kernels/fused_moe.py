@@ -581,37 +581,33 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
     return tile
 
 
-# The decode GEMM2 streams w2 with one CTA per SM, so each CTA must keep many bytes in flight
-# (Little's law: ~32 GB/s per SM at the copy rate, times ~1-2 µs of loaded latency). Its chunk
-# of w2 is therefore ~16 KB (with a 16-column tile and the config's bk = 128 it would be 4 KB),
-# and its pipeline as deep as DECODE_SMEM_BUDGET allows, not the config's depth (which is
-# GEMM1's): measured on an H200, a 3-stage, 4 KB-chunk GEMM2 read w2 at ~1 TB/s.
+# The decode GEMM2 streams w2 with one CTA per SM (or two), so each CTA must keep many bytes in
+# flight (Little's law: ~32 GB/s per SM at the copy rate, times ~1-2 µs of loaded latency).
+# With a 16-column tile and the config's bk = 128 a chunk of w2 is 4 KB; the chunk is widened
+# to DECODE_W2_CHUNK_ELEMS (16 KB in bf16), which on an H200 took olmoe's GEMM2 from 58 to 42 µs
+# of call time (decode-probe, docs/kernel.md). The pipeline depth stays the config's: deeper
+# (5-6 stages) measured slower than 3-4.
 DECODE_W2_CHUNK_ELEMS = 8192
-DECODE_SMEM_BUDGET = 160 * 1024
-DECODE_MAX_STAGES = 6
+DECODE_SMEM_BUDGET = 192 * 1024
 
 
-def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, elem_bytes: int, fp8: bool,
-                       device: torch.device) -> tuple[int, int, int]:
-    """(column tile, reduction chunk, pipeline stages) of the decode schedule's GEMM2.
+def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, fp8: bool,
+                       device: torch.device) -> tuple[int, int]:
+    """(column tile, reduction chunk) of the decode schedule's GEMM2.
 
-    The column tile is :func:`_decode_column_tile`'s. The chunk is the config's bk widened
-    until a chunk of w2 is ``DECODE_W2_CHUNK_ELEMS`` elements (at most N rounded up to a power
-    of two), and narrowed again where two stages would not fit DECODE_SMEM_BUDGET (bm >= 64);
-    FP8 keeps bk = 128, one scale block per chunk. The stages: as many copies of the [bm, chunk]
-    intermediate tile and the [chunk, tile] w2 tile as fit DECODE_SMEM_BUDGET (2 to
-    DECODE_MAX_STAGES).
+    The column tile is :func:`_decode_column_tile`'s. The chunk is the config's bk, widened (in
+    powers of two) towards ``DECODE_W2_CHUNK_ELEMS`` elements of w2 and N rounded up to a power
+    of two, as long as ``stages`` copies of the [bm, chunk] and [chunk, tile] tiles fit
+    DECODE_SMEM_BUDGET. FP8 keeps bk = 128, one scale block per chunk.
     """
     bn = _decode_column_tile(H, device)
     if fp8:
-        chunk = bk
-    else:
-        n_cap = 1 << max(0, N - 1).bit_length()
-        chunk = max(bk, min(DECODE_W2_CHUNK_ELEMS // bn, n_cap))
-    while chunk > 16 and 2 * (bm + bn) * chunk * elem_bytes > DECODE_SMEM_BUDGET:  # large bm: 2 stages must fit
-        chunk //= 2
-    stage_bytes = (bm + bn) * chunk * elem_bytes
-    return bn, chunk, max(2, min(DECODE_MAX_STAGES, DECODE_SMEM_BUDGET // stage_bytes))
+        return bn, bk
+    target = min(max(bk, DECODE_W2_CHUNK_ELEMS // bn), 1 << max(0, N - 1).bit_length())
+    chunk = bk
+    while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= DECODE_SMEM_BUDGET:
+        chunk *= 2
+    return bn, chunk
 
 
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
@@ -679,14 +675,14 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
-        bn2, bk2, stages2 = _decode_gemm2_plan(H, N, c.bm, c.bk, inter.element_size(), fp8, device)
+        bn2, bk2 = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, device)
         _gemm2_decode_kernel[(triton.cdiv(H, bn2),)](
             inter, w2, out, wptr, ids, num_tokens, top_k, num_experts, H, N,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
             MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
-            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, num_warps=c.num_warps, num_stages=stages2,
+            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
         )
         return out
     grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
