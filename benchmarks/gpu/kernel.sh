@@ -3,8 +3,10 @@
 #
 # Usage (device machine, repo root):
 #   MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/kernel.sh PART [extra bench options]
-# PART (one shape or a slice of one per call; at 96fe942 olmoe-1b-7b took ~400 s, M <= 16 groups
-# being host-bound at ~55 s each, see docs/kernel.md; each part prints its real rate):
+# PART (one shape or a slice of one per call; each part prints its real rate). Since ce5bc32
+# (batch-size ints not specialized) two small shapes fit one call: `custom --models olmoe-1b-7b
+# qwen3-30b-a3b` took 475 s; deepseek-v3-tp8 + deepseek-v3-ep32 all but ep32's M = 4096 in
+# 520 s; mixtral's M = 4096 needs two calls (--config-offset). See docs/kernel.md.
 #   1      olmoe-1b-7b
 #   2      qwen3-30b-a3b
 #   3      deepseek-v3-tp8

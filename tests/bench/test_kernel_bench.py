@@ -257,6 +257,27 @@ def test_merge_of_a_split_run_gives_the_same_report():
     assert sorted(tuple(r.get(k) for k in key) for r in a) == sorted(tuple(r.get(k) for k in key) for r in b)
 
 
+def test_merge_reports_what_the_parts_still_miss():
+    """A group timed with only part of the space stays listed (as partial), however the parts
+    split it; a group every part skipped is listed once; a group one part completes is not."""
+    whole = _synthetic_table(seed=4)
+    half = json.loads(json.dumps(whole))
+    half["configs"] = [whole["configs"][i] for i in (0, 1)]
+    half["shapes"]["toy"]["configs"], half["shapes"]["toy"]["default"] = [0, 1], {}
+    for p in half["points"]:
+        for col in ("median_us", "p95_us", "min_us", "iters"):
+            p[col] = p[col][:2]
+        p["errors"] = {i: m for i, m in p["errors"].items() if int(i) < 2}
+    skipped = {"shape": "toy", "M": 4096, "reason": "skipped: deadline"}
+    half["incomplete"] = [skipped]
+    other = json.loads(json.dumps(half))
+    missing = merge_tables([half, other])["incomplete"]
+    assert missing[-1] == skipped and len(missing) == 3  # (toy, 1), (toy, 64) partial; 4096 once
+    assert {(m["M"], m["reason"]) for m in missing[:2]} == {(1, "partial: 2/4 configs in the parts"),
+                                                            (64, "partial: 2/4 configs in the parts")}
+    assert merge_tables([half, whole])["incomplete"] == [skipped]
+
+
 def test_load_table_rejects_bad_files(tmp_path):
     plain = tmp_path / "plain.json.gz"
     plain.write_text("not gzip")

@@ -365,12 +365,33 @@ def merge_tables(tables: list[dict]) -> dict:
         # A config that failed in one run but was timed in another keeps its timing.
         p["errors"] = {i: msg for i, msg in p["errors"].items() if int(i) not in vals}
         out_points.append(p)
-    done = {(p["shape"], p["M"]) for p in out_points}
-    incomplete = [item for t in tables for item in t.get("incomplete", []) if (item["shape"], item["M"]) not in done]
     return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "environment": tables[0]["environment"],
             "params": tables[0]["params"], "parts": [{"environment": t["environment"], "params": t["params"]}
                                                      for t in tables],
-            "configs": configs, "shapes": shapes, "points": out_points, "incomplete": incomplete}
+            "configs": configs, "shapes": shapes, "points": out_points,
+            "incomplete": _merged_incomplete(tables, out_points, shapes)}
+
+
+def _merged_incomplete(tables: list[dict], points: list[dict], shapes: dict) -> list[dict]:
+    """The (shape, M) groups the merged parts still miss: skipped in every part that reached
+    them (one entry, however many parts skipped it), or measured with configs of the space
+    that no part timed or recorded an error for."""
+    out, seen = [], set()
+    for p in points:
+        group = (p["shape"], p["M"])
+        order = shapes[p["shape"]]["configs"]
+        total = max(len(order), shapes[p["shape"]].get("space_size", 0))
+        covered = sum(v is not None or str(i) in p["errors"] for i, v in zip(order, p["median_us"]))
+        if covered < total and group not in seen:
+            seen.add(group)
+            out.append({"shape": p["shape"], "M": p["M"], "reason": f"partial: {covered}/{total} configs in the parts"})
+    measured = {(p["shape"], p["M"]) for p in points}
+    for item in (item for t in tables for item in t.get("incomplete", [])):
+        group = (item["shape"], item["M"])
+        if group not in measured and group not in seen:
+            seen.add(group)
+            out.append(item)
+    return out
 
 
 # ------------------------------------------------------------------------------- figures
