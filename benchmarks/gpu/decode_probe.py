@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import multiprocessing
 import os
 import sys
 import time
@@ -28,11 +26,10 @@ from collections import defaultdict
 from dataclasses import asdict
 
 import torch
+from probe_common import compile_in_pool, expert_weights, median_us, write_result
 
 from moekit.bench.kernel import bench_shape, config_id, measure_ceilings, point_routing, point_work
-from moekit.bench.report import environment
-from moekit.bench.stats import summarize
-from moekit.bench.timing import L2Flusher, time_cold
+from moekit.bench.timing import L2Flusher
 from moekit.kernels import KernelConfig, config_space, fused_moe
 
 fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (the package exports a function of that name)
@@ -66,9 +63,6 @@ def _warm(task) -> str | None:
     return None
 
 
-def median_us(fn, flusher, iters) -> float:
-    return summarize(time_cold(fn, iters=iters, warmup=3, capture=True, flush_bytes=0, flusher=flusher))["median"]
-
 
 def kernel_breakdown(fn, flusher, iters: int = 20) -> dict[str, float]:
     """Mean GPU µs per call of each kernel ``fn`` launches (eager, one flush before each)."""
@@ -99,11 +93,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
     tasks = [(n, asdict(c)) for n in args.shapes for c in decode_configs(n)]
-    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
-    print(f"compiled {len(tasks)} configs in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
-    for e in errors:
-        print("  ", e)
+    errors = compile_in_pool(_warm, tasks, args.workers)
     ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
     hbm = ceil["hbm_gbps"]
     print(f"ceilings: HBM copy {hbm:.0f} GB/s", flush=True)
@@ -112,11 +102,7 @@ def main() -> int:
     rows = []
     for name in args.shapes:
         s = bench_shape(name)
-        g = torch.Generator(device=dev).manual_seed(17)
-        w13 = torch.randn(s.num_experts, 2 * s.intermediate, s.hidden, generator=g, device=dev,
-                          dtype=torch.bfloat16).mul_(s.hidden ** -0.5)
-        w2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g, device=dev,
-                         dtype=torch.bfloat16).mul_(s.intermediate ** -0.5)
+        w13, w2 = expert_weights(s, dev)
         configs = decode_configs(name)
         for M, beta in POINTS:
             r = point_routing(s, M, beta, 1000 + M)
@@ -181,10 +167,7 @@ def main() -> int:
                 print(f"      kernels of {k}: {parts} (sum {sum(ker.values()):.1f} us)")
         del w13, w2
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "ceilings": ceil, "rows": rows, "compile_errors": errors,
-                   "seconds": time.perf_counter() - t0}, f, indent=1)
-    print(f"done in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    write_result(args.out, ceil, rows, errors, t0)
     return 0
 
 

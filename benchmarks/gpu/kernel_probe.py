@@ -19,20 +19,17 @@ Usage (device machine, repo root):
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import sys
 import time
 from dataclasses import asdict
 
 import torch
+from probe_common import compile_in_pool, expert_weights, median_us, write_result
 
 from moekit.bench.kernel import MODELS, bench_shape, measure_ceilings, point_routing, point_work
 from moekit.bench.kernel_baseline import make_torch_moe, resolve_impl
-from moekit.bench.report import environment
-from moekit.bench.stats import summarize
-from moekit.bench.timing import L2Flusher, time_cold
+from moekit.bench.timing import L2Flusher
 from moekit.kernels import KernelConfig, align_tokens, fused_moe
 
 DECODE_CONFIGS = [  # under "direct", two_launch with split_k = 1 is the decode schedule (no atomics)
@@ -79,9 +76,6 @@ def _warm(task) -> str | None:
     return None
 
 
-def median_us(fn, flusher, iters) -> float:
-    return summarize(time_cold(fn, iters=iters, warmup=3, capture=True, flush_bytes=0, flusher=flusher))["median"]
-
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -99,11 +93,7 @@ def main() -> int:
              for a in ("sort", "direct")]
     if args.m_large:
         tasks += [(n, asdict(c), args.m_large, "sort") for n in args.models for c in LARGE_CONFIGS]
-    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
-    print(f"compiled {len(tasks)} variants in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
-    for e in errors:
-        print("  ", e)
+    errors = compile_in_pool(_warm, tasks, args.workers)
 
     ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
     hbm, tflops = ceil["hbm_gbps"], ceil["matmul_tflops"]
@@ -113,11 +103,7 @@ def main() -> int:
     rows = []
     for name in args.models:
         s = bench_shape(name)
-        g = torch.Generator(device=dev).manual_seed(17)
-        w13 = torch.randn(s.num_experts, 2 * s.intermediate, s.hidden, generator=g, device=dev,
-                          dtype=torch.bfloat16).mul_(s.hidden ** -0.5)
-        w2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g, device=dev,
-                         dtype=torch.bfloat16).mul_(s.intermediate ** -0.5)
+        w13, w2 = expert_weights(s, dev)
         for M in [*args.m_small, *([args.m_large] if args.m_large else [])]:
             large = M == args.m_large
             for beta in ((1.0,) if large else (1.0, 0.25)):
@@ -169,10 +155,7 @@ def main() -> int:
                         print(f"      {k:36s} {v['us']:8.1f} us  tc {v['tc_pct']:5.1f}%  err {v['rel_err']:.1e}")
         del w13, w2
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "ceilings": ceil, "rows": rows, "compile_errors": errors,
-                   "seconds": time.perf_counter() - t0}, f, indent=1)
-    print(f"done in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    write_result(args.out, ceil, rows, errors, t0)
     return 0
 
 

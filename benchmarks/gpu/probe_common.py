@@ -1,0 +1,50 @@
+"""Helpers shared by the developer probes of the fused MoE kernel (kernel_probe.py,
+decode_probe.py): timing as the bench does, the probes' expert weights, the compile pool and
+the result file. Not part of the package; the probes run from the repo root with
+PYTHONPATH=src, so this directory is on sys.path as the script's own."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+
+import torch
+
+from moekit.bench.report import environment
+from moekit.bench.stats import summarize
+from moekit.bench.timing import time_cold
+
+
+def median_us(fn, flusher, iters: int) -> float:
+    """Median µs of ``fn`` as the bench times it: graph replay, ``flusher`` before each."""
+    return summarize(time_cold(fn, iters=iters, warmup=3, capture=True, flush_bytes=0, flusher=flusher))["median"]
+
+
+def expert_weights(s, dev: torch.device, seed: int = 17) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 w13 [E, 2N, H] and w2 [E, H, N] of bench shape ``s``, drawn on the device."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = torch.randn(s.num_experts, 2 * s.intermediate, s.hidden, generator=g, device=dev,
+                      dtype=torch.bfloat16).mul_(s.hidden ** -0.5)
+    w2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g, device=dev,
+                     dtype=torch.bfloat16).mul_(s.intermediate ** -0.5)
+    return w13, w2
+
+
+def compile_in_pool(warm, tasks: list, workers: int) -> list[str]:
+    """Run ``warm(task)`` (one compile-and-launch, returning an error line or None) over
+    ``tasks`` in spawned processes, filling Triton's disk cache; print and return the errors."""
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.imap_unordered(warm, tasks) if e]
+    print(f"compiled {len(tasks)} variants in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
+    for e in errors:
+        print("  ", e)
+    return errors
+
+
+def write_result(path: str, ceilings: dict, rows: list, errors: list, t0: float) -> None:
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), "ceilings": ceilings, "rows": rows, "compile_errors": errors,
+                   "seconds": time.perf_counter() - t0}, f, indent=1)
+    print(f"done in {time.perf_counter() - t0:.0f} s -> {path}")
