@@ -7,7 +7,8 @@ hardest (few small experts touched), it measures:
    decode schedule (two_launch) and the fused form; the whole call, CUDA-graph replay with the
    L2 flushed before each (as the bench);
 2. for the best decode-schedule config of each point, the decode GEMM2's (column tile,
-   reduction chunk) overridden over a list of alternatives (``fused_moe._decode_gemm2_plan``);
+   reduction chunk, expert splits) overridden over a list of alternatives
+   (``fused_moe._decode_gemm2_plan``);
 3. for the best config of each form, the per-kernel GPU time from the CUDA profiler (eager
    calls, each after a flush), so the gap between kernels and their sum is visible.
 
@@ -36,9 +37,11 @@ fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (the package 
 
 POINTS = ((1, 1.0), (4, 0.25), (16, 0.25), (16, 1.0))
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
-# (column tile, reduction chunk) of the decode GEMM2 (the config's pipeline depth); None = the
-# default plan. (At 7e34ee8 the GEMM2 had its own depth; 5-6 stages measured slower than 3-4.)
-GEMM2_PLANS = (None, (16, 128), (16, 256), (16, 512), (16, 1024), (32, 256), (32, 512), (64, 128), (64, 256))
+# (column tile, reduction chunk, expert splits) of the decode GEMM2 (the config's pipeline
+# depth); None = the default plan. (At 7e34ee8 the GEMM2 had its own depth; 5-6 stages measured
+# slower than 3-4.)
+GEMM2_PLANS = (None, (16, 256, 1), (16, 512, 1), (16, 256, 2), (16, 512, 2), (16, 128, 4), (16, 256, 4),
+               (16, 128, 8), (32, 256, 1), (32, 256, 2), (32, 256, 4), (32, 128, 8), (64, 256, 4))
 
 
 def decode_configs(name: str) -> list[KernelConfig]:
@@ -109,6 +112,7 @@ def main() -> int:
             work = point_work(s, r.ids, 2)
             x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
             ids, tw = r.ids.to(dev), r.weights.to(dev)
+            max_blocks = min(s.num_experts, M * s.top_k)  # DirectBlocks.max_blocks
             fl = flusher if work["weight_bytes"] < 4 * (60 << 20) else None
 
             def pct(us):
@@ -134,11 +138,11 @@ def main() -> int:
                 for plan in GEMM2_PLANS:
                     if plan is None:
                         plan = default_plan(s.hidden, s.intermediate, best_t.bm, best_t.bk, best_t.num_stages, 2,
-                                            False, dev)
+                                            False, max_blocks, dev)
                         key = f"{plan} (default)"
                     else:
                         key = str(plan)
-                    if plan[1] > max(best_t.bk, 1 << (s.intermediate - 1).bit_length()):
+                    if plan[1] > max(best_t.bk, 1 << (s.intermediate - 1).bit_length()) or plan[2] > max_blocks:
                         continue
                     fm_module._decode_gemm2_plan = lambda *_, p=plan: p
                     try:

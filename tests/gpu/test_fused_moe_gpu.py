@@ -143,3 +143,40 @@ def test_cuda_graph_replay_with_new_routing(case, small_case, form, tokens):
     torch.testing.assert_close(y_graph.float(), eager.float(), rtol=1e-2, atol=1e-2)
     ref = reference_moe(x.bfloat16(), MoEWeights(w.router, w.w13.bfloat16(), w.w2.bfloat16()), new_ids, new_tw)
     assert ((y_graph.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+DECODE_SHAPE = MoEShape("gpu-decode", num_experts=16, top_k=4, hidden=2048, intermediate=512)
+
+
+@pytest.mark.parametrize("ctas_per_sm", [0, 2, 16], ids=["unsplit", "default", "split16"])
+def test_decode_gemm2_splits_exact_and_deterministic(monkeypatch, ctas_per_sm):
+    """The decode GEMM2 at a width that gives 128 column tiles: one CTA per tile, the default
+    split (2 per tile on 132 SMs) and 16 splits. Each matches the reference, and 50 graph replays
+    give the bits of the eager call: the last CTA of a tile adds the partials only after all
+    are written (a race would show as a wrong or varying sum)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_CTAS_PER_SM", ctas_per_sm)
+    w = MoEWeights.random(DECODE_SHAPE, seed=3, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, DECODE_SHAPE.hidden, generator=g)
+    ids, tw = synthetic_routing(4, DECODE_SHAPE.num_experts, DECODE_SHAPE.top_k, zipf=1.2, seed=5)
+    ids[1, 2] = -1
+    xd, w13, w2 = (t.bfloat16() for t in (x, w.w13, w.w2))
+    ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
+    cfg = KernelConfig(bm=16, bn=32, bk=128, split_k=1, form="two_launch")
+    args = (xd.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda(), cfg)
+    eager = fused_moe(*args, alignment="direct")
+    assert ((eager.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(*args, alignment="direct")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_moe(*args, alignment="direct")
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)

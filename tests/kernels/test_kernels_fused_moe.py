@@ -8,6 +8,8 @@ so every mask is exercised.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -136,32 +138,55 @@ def test_all_slots_masked(form, alignment):
     assert (y == 0).all()
 
 
-def test_decode_column_tile_fills_the_gpu():
+def test_decode_column_tile():
+    """32 columns, 64 only where 32 alone would exceed 2 CTAs per SM (132 SMs assumed on CPU)."""
     from moekit.kernels.fused_moe import _decode_column_tile
 
-    cpu = torch.device("cpu")  # assumed 132 SMs, as an H100/H200
-    assert [_decode_column_tile(H, cpu) for H in (2048, 4096, 7168, 384, 16384)] == [16, 32, 32, 16, 64]
+    cpu = torch.device("cpu")
+    assert [_decode_column_tile(H, cpu) for H in (48, 2048, 4096, 7168, 8448, 8480, 16384)] == [32] * 5 + [64] * 2
 
 
 def test_decode_gemm2_plan():
-    """The decode GEMM2 widens the config's bk towards 8192 w2 elements per chunk (capped by N
-    and by the config's stages fitting 192 KB); FP8 keeps one 128-wide scale block."""
+    """The decode GEMM2 splits the named experts until the grid has ~2 CTAs per SM (at most one
+    split per block), and widens the config's bk towards 8192 w2 elements per chunk (capped by
+    N, and by the config's stages fitting 192 KB shared by the CTAs of an SM); FP8 keeps one
+    128-wide scale block."""
     from moekit.kernels.fused_moe import _decode_gemm2_plan
 
-    cpu = torch.device("cpu")
-    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 2, False, cpu) == (16, 512)  # olmoe: 16 KB of w2
-    assert _decode_gemm2_plan(2048, 768, 16, 128, 4, 2, False, cpu) == (16, 512)  # qwen3
-    assert _decode_gemm2_plan(7168, 256, 16, 64, 3, 2, False, cpu) == (32, 256)  # deepseek-v3 TP8: N caps it
-    assert _decode_gemm2_plan(16384, 4096, 16, 256, 3, 2, False, cpu) == (64, 256)  # never below bk
-    assert _decode_gemm2_plan(2048, 1024, 32, 128, 4, 2, False, cpu) == (16, 512)  # 4 stages of 48 KB fit
-    assert _decode_gemm2_plan(2048, 1024, 64, 64, 4, 2, False, cpu) == (16, 256)  # 4 of 80 KB would not
-    assert _decode_gemm2_plan(2048, 1024, 128, 64, 3, 2, False, cpu) == (16, 128)
-    assert _decode_gemm2_plan(48, 40, 16, 32, 3, 2, False, cpu) == (16, 64)  # the tests' tiny shape
-    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 1, True, cpu) == (16, 128)
+    cpu = torch.device("cpu")  # 132 SMs
+    # olmoe, qwen3: 64 column tiles -> 4 splits (256 CTAs, 96 KB each): 4 stages of 16 KB chunks
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 2, False, 8, cpu) == (32, 256, 4)
+    assert _decode_gemm2_plan(2048, 768, 16, 128, 4, 2, False, 8, cpu) == (32, 256, 4)
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 2, False, 1, cpu) == (32, 256, 1)  # one block: no split
+    assert _decode_gemm2_plan(4096, 14336, 16, 128, 3, 2, False, 8, cpu) == (32, 256, 2)  # mixtral: 128 tiles
+    assert _decode_gemm2_plan(7168, 256, 16, 64, 3, 2, False, 8, cpu) == (32, 256, 1)  # 224 tiles; N caps it
+    assert _decode_gemm2_plan(16384, 4096, 16, 256, 3, 2, False, 8, cpu) == (64, 256, 1)  # never below bk
+    assert _decode_gemm2_plan(2048, 1024, 64, 64, 4, 2, False, 8, cpu) == (32, 128, 4)  # 4 of 48 KB would not fit
+    assert _decode_gemm2_plan(48, 40, 16, 32, 3, 2, False, 8, cpu) == (32, 64, 8)  # the tests' tiny shape
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 1, True, 8, cpu) == (32, 128, 4)
 
 
-def test_decode_schedule_is_deterministic():
-    """No atomics in the decode schedule: the same call gives the same bits."""
+@pytest.fixture(params=["split", "unsplit"])
+def decode_splits(request, monkeypatch):
+    """The decode GEMM2 with the named experts split over several CTAs per column tile (the
+    tests' tiny H gives few tiles, so the default plan splits), or forced to one CTA per tile."""
+    if request.param == "unsplit":
+        # (the package exports a function named fused_moe, which shadows the module's name)
+        monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_CTAS_PER_SM", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_decode_schedule_split_and_unsplit(decode_splits, M):
+    """Both ways of the decode GEMM2 match the reference, with a -1 slot and skewed routing."""
+    x, w, ids, tw = _case(M, seed=14, zipf=1.5)
+    ids[0, -1] = -1
+    _check(x, w, ids, tw, FORMS["two_launch_sk1"], torch.float32, alignment="direct")
+
+
+def test_decode_schedule_is_deterministic(decode_splits):
+    """No atomic adds in the decode schedule (split partials are added in split order): the
+    same call gives the same bits."""
     x, w, ids, tw = _case(9, seed=13)
     args = [t.to(DEVICE) for t in (x, w.w13, w.w2, ids, tw)]
     y1 = fused_moe(*args, FORMS["two_launch_sk1"], alignment="direct")

@@ -28,8 +28,10 @@ is launched for the upper bound of blocks and blocks past the real end return at
 named expert and its rows are the tokens themselves (``_block_rows``).
 
 The decode schedule: ``two_launch`` with ``split_k = 1`` under direct addressing replaces the
-atomic GEMM2 by ``_gemm2_decode_kernel``, whose CTAs each own a column tile of the whole output
-and sum a token's experts in registers, in a fixed order. That call is two launches (no zeroed
+atomic GEMM2 by ``_gemm2_decode_kernel``, whose CTAs own a column tile of the whole output
+and sum a token's experts in registers, in a fixed order; where the column tiles alone would
+leave the GPU short of CTAs, the named experts are split over several CTAs per tile whose float32
+partials the last one to finish adds in split order. That call is two launches (no zeroed
 float32 buffer, no cast) and bitwise reproducible.
 
 FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
@@ -242,18 +244,25 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _gemm1_swiglu_kernel(
-        x_ptr, w13_ptr, inter_ptr,
+        x_ptr, w13_ptr, inter_ptr, count_ptr, num_counters,
         sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
         num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_we, stride_wn, stride_wk, stride_im,
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
         A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTERS: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
 
+        COUNTERS > 0 (a power of two >= num_counters): program 0 also zeroes the decode GEMM2's
+        arrival counts (``_gemm2_decode_kernel``, which runs after this kernel on the stream),
+        which saves that call a memset launch.
         FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns."""
+        if COUNTERS > 0:
+            if tl.program_id(0) == 0:
+                offs_c = tl.arange(0, COUNTERS)
+                tl.store(count_ptr + offs_c, tl.zeros((COUNTERS,), tl.int32), mask=offs_c < num_counters)
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, rows, a_rows, _, row_ok, _ = _block_rows(
@@ -355,16 +364,19 @@ if HAVE_TRITON:
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
-    def _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
+    def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
                      num_experts, H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                      stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS: tl.constexpr, BM: tl.constexpr,
                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
         """One step of ``_gemm2_decode_kernel``'s loop: acc + w * (inter rows of named expert j)
-        @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block past the last
-        named expert reads nothing and adds zero."""
+        @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block at or past
+        ``j_end`` (the end of this CTA's share, at most the named count) reads nothing and adds
+        zero."""
         j = it // N_CHUNKS
         c = it % N_CHUNKS
         live, expert, rows, _, row_ok, w = _direct_block(j, ids, valid, wts, named, num_experts, BM)
+        live = live & (j < j_end)
+        row_ok = row_ok & live
         rows64 = rows.to(tl.int64)
         h_ok = offs_h < H
         offs_k = tl.arange(0, BK)
@@ -385,42 +397,75 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE_DECODE)
     def _gemm2_decode_kernel(
-        inter_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, num_tokens, top_k, num_experts,
+        inter_ptr, w2_ptr, out_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_tokens, top_k, num_experts,
         H: tl.constexpr, N: tl.constexpr,
         stride_im, stride_we, stride_wh, stride_wk, stride_om,
         is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
-        MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
+        MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
         KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
     ):
-        """two_launch under direct addressing with split_k = 1, step 2, without atomics: CTA h
-        owns out[:, h-tile]. One loop walks (named expert j, reduction chunk c) in order,
-        adding w * (inter rows of block j) @ w2[e_j][h-tile, chunk c].T into float32
-        registers, and the tile is stored once in the output's dtype. So the output needs no
-        zeroing and no final cast, and the sum over a token's experts has a fixed order (this
-        schedule is deterministic). One flat loop, not a loop per expert, so the software
-        pipeline runs across experts without draining.
+        """two_launch under direct addressing with split_k = 1, step 2, without atomic adds:
+        the CTAs of column tile h (grid axis 0) own out[:, h-tile]. CTA (h, s) walks the s-th
+        of SPLITS contiguous shares of the named experts, (expert j, reduction chunk c) in
+        order in one flat loop (so the software pipeline runs across experts without
+        draining), adding w * (inter rows of block j) @ w2[e_j][h-tile, chunk c].T into
+        float32 registers.
 
-        RUNTIME_TRIP: the trip count is the named experts' (read on the device); Triton's
-        interpreter cannot loop to a run-time bound, so there it walks MAX_BLOCKS experts and
-        the ones past the last named are masked out (no loads, zero contribution).
-        FP8: as ``_down_tile``."""
-        offs_h = tl.program_id(0) * BN + tl.arange(0, BN)
+        SPLITS = 1: the tile is stored once in the output's dtype. SPLITS > 1 (more CTAs, so
+        more w2 bytes in flight, where the column tiles alone leave SMs idle or one CTA per SM):
+        each CTA stores its float32 partial in ``part`` [SPLITS, BM, H] and counts itself in
+        ``count[h]`` (zeroed by GEMM1); the last of the tile's CTAs to arrive adds the SPLITS
+        partials in split order and stores the tile. Either way the output needs no zeroing and
+        no final cast, and the sum has a fixed order (this schedule is deterministic).
+
+        RUNTIME_TRIP: the trip count is the CTA's share of the named experts (counted here from
+        the ids); Triton's interpreter cannot loop to a run-time bound, so there it walks
+        ceil(MAX_BLOCKS / SPLITS) experts (no share is longer) and the ones past its share are
+        masked out (no loads, zero contribution). FP8: as ``_down_tile``."""
+        pid_h = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_h = pid_h * BN + tl.arange(0, BN)
+        h_ok = offs_h < H
         ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS, True)
+        num_named = tl.max(named, 0)
+        # Never more splits than named experts: the CTAs past those exit, and with one named
+        # expert the tile is stored directly. The shares differ by at most one expert.
+        splits = tl.minimum(tl.maximum(num_named, 1), SPLITS)
+        if split >= splits:
+            return
+        j_begin = split * num_named // splits
+        j_end = (split + 1) * num_named // splits
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if RUNTIME_TRIP:
-            for it in range(0, tl.max(named, 0) * N_CHUNKS):
-                acc = _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
+            for it in range(j_begin * N_CHUNKS, j_end * N_CHUNKS):
+                acc = _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
                                    offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
                                    stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
         else:
-            for it in range(0, MAX_BLOCKS * N_CHUNKS):
-                acc = _decode_step(acc, it, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
-                                   offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
-                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
+            for i in range(0, tl.cdiv(MAX_BLOCKS, SPLITS) * N_CHUNKS):
+                acc = _decode_step(acc, j_begin * N_CHUNKS + i, j_end, ids, valid, wts, named, inter_ptr, w2_ptr,
+                                   is_ptr, ws_ptr, offs_h, num_experts, H, N, stride_im, stride_we, stride_wh,
+                                   stride_wk, stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK,
+                                   PRECISION, FP8)
         tok = tl.arange(0, BM).to(tl.int64)
         o_ptrs = out_ptr + tok[:, None] * stride_om + offs_h[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(tok < num_tokens)[:, None] & (offs_h < H)[None, :])
+        o_mask = (tok < num_tokens)[:, None] & h_ok[None, :]
+        if splits == 1:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            p_ptrs = part_ptr + tok[:, None] * H + offs_h[None, :]  # split 0's [BM, BN] partial
+            tl.store(p_ptrs + split * BM * H, acc, mask=h_ok[None, :])
+            # Every thread's partial is written before the (one-thread) release of the count.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_h, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for t in range(0, SPLITS):  # (a constant bound, for the interpreter)
+                    # .cg: from L2, where the other CTAs' partials are (never this SM's L1).
+                    total += tl.load(p_ptrs + t * BM * H, mask=h_ok[None, :] & (t < splits), other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
@@ -570,44 +615,51 @@ def _sm_count(device: torch.device) -> int:
 def _decode_column_tile(H: int, device: torch.device) -> int:
     """The decode schedule's GEMM2 column tile (not the config's bn, which tiles GEMM1 there).
 
-    Each of its CTAs reads the w2 rows of its tile for every named expert, so the grid is
-    ``ceil(H / tile)`` CTAs whatever the routing: the widest tile in 64, 32, 16 whose grid still
-    covers about the whole GPU (90 % of its SMs). H = 2048 gives 16 (128 CTAs), 4096 gives 32,
-    7168 gives 32 (224 CTAs) on a 132-SM H100/H200.
+    32 columns: with each [chunk, tile] of w2 a CTA also reads the [bm, chunk] slice of the
+    intermediate (from L2), so a 16-column tile reads as many intermediate bytes as weight
+    bytes, and measured up to a third slower (decode probe of the split GEMM2, docs/kernel.md). The GPU is filled by splitting
+    the experts (``_decode_gemm2_plan``) rather than by narrowing the tile; 64 columns only
+    where 32 would give more than DECODE_CTAS_PER_SM CTAs per SM on its own (H > 8448).
     """
-    tile = 64
-    while tile > 16 and -(-H // tile) < 0.9 * _sm_count(device):
-        tile //= 2
-    return tile
+    return 64 if -(-H // 32) > DECODE_CTAS_PER_SM * _sm_count(device) else 32
 
 
-# The decode GEMM2 streams w2 with one CTA per SM (or two), so each CTA must keep many bytes in
+# The decode GEMM2 streams w2 with one or two CTAs per SM, so each CTA must keep many bytes in
 # flight (Little's law: ~32 GB/s per SM at the copy rate, times ~1-2 µs of loaded latency).
-# With a 16-column tile and the config's bk = 128 a chunk of w2 is 4 KB; the chunk is widened
-# to DECODE_W2_CHUNK_ELEMS (16 KB in bf16), which on an H200 took olmoe's GEMM2 from 58 to 42 µs
-# of call time (decode-probe, docs/kernel.md). The pipeline depth stays the config's: deeper
-# (5-6 stages) measured slower than 3-4.
+# With the config's bk = 128 a chunk of a 32-column tile of w2 is 8 KB; the chunk is widened
+# towards DECODE_W2_CHUNK_ELEMS (16 KB in bf16; on an H200 this took olmoe's GEMM2, then with
+# 16-column tiles, from 58 to 42 µs of call time). The pipeline depth stays the config's:
+# deeper (5-6 stages) measured slower than 3-4. DECODE_CTAS_PER_SM: the named experts are split
+# over more CTAs (``_gemm2_decode_kernel``'s SPLITS) until the grid has about that many per SM
+# (olmoe at M = 1 on an H200: 4 splits of 64 tiles, GEMM2 call 50 -> 35 µs; docs/kernel.md).
 DECODE_W2_CHUNK_ELEMS = 8192
 DECODE_SMEM_BUDGET = 192 * 1024
+DECODE_CTAS_PER_SM = 2
 
 
 def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, fp8: bool,
-                       device: torch.device) -> tuple[int, int]:
-    """(column tile, reduction chunk) of the decode schedule's GEMM2.
+                       max_blocks: int, device: torch.device) -> tuple[int, int, int]:
+    """(column tile, reduction chunk, expert splits) of the decode schedule's GEMM2.
 
-    The column tile is :func:`_decode_column_tile`'s. The chunk is the config's bk, widened (in
-    powers of two) towards ``DECODE_W2_CHUNK_ELEMS`` elements of w2 and N rounded up to a power
-    of two, as long as ``stages`` copies of the [bm, chunk] and [chunk, tile] tiles fit
-    DECODE_SMEM_BUDGET. FP8 keeps bk = 128, one scale block per chunk.
+    The column tile is :func:`_decode_column_tile`'s. The splits bring the grid (column tiles x
+    splits) to about DECODE_CTAS_PER_SM CTAs per SM, at most one split per block that can be
+    named (``max_blocks``). The chunk is the config's bk, widened (in powers of two) towards
+    ``DECODE_W2_CHUNK_ELEMS`` elements of w2 and N rounded up to a power of two, as long as
+    ``stages`` copies of the [bm, chunk] and [chunk, tile] tiles fit DECODE_SMEM_BUDGET shared
+    among the CTAs an SM then holds. FP8 keeps bk = 128, one scale block per chunk.
     """
     bn = _decode_column_tile(H, device)
+    tiles = -(-H // bn)
+    sms = _sm_count(device)
+    splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
     if fp8:
-        return bn, bk
+        return bn, bk, splits
+    budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
     target = min(max(bk, DECODE_W2_CHUNK_ELEMS // bn), 1 << max(0, N - 1).bit_length())
     chunk = bk
-    while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= DECODE_SMEM_BUDGET:
+    while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= budget:
         chunk *= 2
-    return bn, chunk
+    return bn, chunk, splits
 
 
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
@@ -665,22 +717,31 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args = (inter_s, inter_s.stride(0))
     else:
         is_args = (out, 0)
+    if decode:
+        bn2, bk2, splits = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, num_m,
+                                              device)
+        tiles = triton.cdiv(H, bn2)
+        # Split partials and arrival counts (zeroed by GEMM1) only where the experts are split.
+        part = torch.empty(splits, c.bm, H, dtype=torch.float32, device=device) if splits > 1 else out
+        count = torch.empty(tiles, dtype=torch.int32, device=device) if splits > 1 else out
+        counters = triton.next_power_of_2(tiles) if splits > 1 else 0
+    else:
+        count, tiles, counters = out, 0, 0
     grid1 = (num_m * triton.cdiv(N, c.bn),)
     _gemm1_swiglu_kernel[grid1](
-        x2d, w13, inter, *addr, num_m, H, N,
+        x2d, w13, inter, count, tiles, *addr, num_m, H, N,
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
-        A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
-        SOFT_ROUND=soft, **launch,
+        A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, COUNTERS=counters, GROUP_M=c.group_m,
+        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
-        bn2, bk2 = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, device)
-        _gemm2_decode_kernel[(triton.cdiv(H, bn2),)](
-            inter, w2, out, wptr, ids, num_tokens, top_k, num_experts, H, N,
+        _gemm2_decode_kernel[(tiles, splits)](
+            inter, w2, out, part, count, wptr, ids, num_tokens, top_k, num_experts, H, N,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
-            MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), RUNTIME_TRIP=not _interpreting(),
+            MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), SPLITS=splits, RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
             BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
         )
