@@ -150,10 +150,11 @@ DECODE_SHAPE = MoEShape("gpu-decode", num_experts=16, top_k=4, hidden=2048, inte
 
 @pytest.mark.parametrize("ctas_per_sm", [0, 2, 16], ids=["unsplit", "default", "split16"])
 def test_decode_gemm2_splits_exact_and_deterministic(monkeypatch, ctas_per_sm):
-    """The decode GEMM2 at a width that gives 128 column tiles: one CTA per tile, the default
-    split (2 per tile on 132 SMs) and 16 splits. Each matches the reference, and 50 graph replays
-    give the bits of the eager call: the last CTA of a tile adds the partials only after all
-    are written (a race would show as a wrong or varying sum)."""
+    """The decode GEMM2 at H = 2048 on 132 SMs: unsplit (32 tiles of 64 columns, as the plan
+    picks with DECODE_CTAS_PER_SM = 0), the default (64 tiles x 4 splits) and 64 tiles x 16
+    splits. Each matches the reference, and 50 graph replays give the bits of the eager call:
+    the last CTA of a tile adds the partials only after all are written (a race would show as
+    a wrong or varying sum)."""
     import importlib
 
     monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_CTAS_PER_SM", ctas_per_sm)

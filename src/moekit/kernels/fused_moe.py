@@ -617,9 +617,10 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 
     32 columns: with each [chunk, tile] of w2 a CTA also reads the [bm, chunk] slice of the
     intermediate (from L2), so a 16-column tile reads as many intermediate bytes as weight
-    bytes, and measured up to a third slower (decode probe of the split GEMM2, docs/kernel.md). The GPU is filled by splitting
-    the experts (``_decode_gemm2_plan``) rather than by narrowing the tile; 64 columns only
-    where 32 would give more than DECODE_CTAS_PER_SM CTAs per SM on its own (H > 8448).
+    bytes, and measured up to a third slower (the split probe in docs/kernel.md). The GPU is
+    filled by splitting the experts (``_decode_gemm2_plan``) rather than by narrowing the
+    tile; 64 columns only where 32 would give more than DECODE_CTAS_PER_SM CTAs per SM on its
+    own (H > 8448 on 132 SMs).
     """
     return 64 if -(-H // 32) > DECODE_CTAS_PER_SM * _sm_count(device) else 32
 
