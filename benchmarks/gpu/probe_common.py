@@ -1,4 +1,4 @@
-"""Helpers shared by the developer probes of the fused MoE kernel (kernel_probe.py,
+"""Helpers shared by the developer probes of the fused MoE kernel (kernel_probe.py, ab_kernel.py,
 decode_probe.py): timing as the bench does, the probes' expert weights, the compile pool and
 the result file. Not part of the package; the probes run from the repo root with
 PYTHONPATH=src, so this directory is on sys.path as the script's own."""
