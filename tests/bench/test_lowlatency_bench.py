@@ -36,8 +36,36 @@ def test_bench_record_on_cpu(tmp_path):
     assert len(r["traces"]) == 4
     for path in r["traces"]:
         assert {e["name"] for e in load_trace(path)["traceEvents"] if e["ph"] == "X"}
+    # the profiled run (eager on the CPU): every phase of both calls, per rank, warm-up left out
+    assert [ph["rank"] for ph in r["phases"]] == [0, 1]
+    for ph in r["phases"]:
+        assert ph["tokens"] == 4 and ph["graph"] is False and ph["calls"] == 18
+        assert {"dispatch.quant_and_put", "dispatch.postprocess", "combine.copy_and_put",
+                "combine.topk_reduce", "gap before combine.copy_and_put"} <= set(ph)
+        assert ph["step"] >= ph["dispatch.quant_and_put"] > 0
     text = format_lowlatency_bench(record)
     assert "lowlatency" in text and "alltoall/lowlatency" in text and "skipped" in text
+    assert "profile rank 1 (T=4, eager, median of 18 steps" in text
+
+
+def test_phase_summary_on_hand_made_traces(tmp_path):
+    """Durations, gaps and step span from two traces whose timings are known (µs)."""
+    from moekit.bench.lowlatency import phase_summary
+    from moekit.bench.perfetto import phase_events, trace_document, write_trace
+
+    us = 1000  # the stamps are in ns
+    # call c starts at 100 * c µs; dispatch: a [0, 2], b [3, 7]; combine: c [10, 15 + c]
+    d = [torch.tensor([[100 * c * us, (100 * c + 2) * us], [(100 * c + 3) * us, (100 * c + 7) * us]])
+         for c in range(3)]
+    k = [torch.tensor([[(100 * c + 10) * us, (100 * c + 15 + c) * us]]) for c in range(3)]
+    dp = write_trace(tmp_path / "d.json", trace_document(phase_events(d, ("a", "b"), pid=0, tid=0,
+                                                                       thread_name="dispatch")))
+    kp = write_trace(tmp_path / "k.json", trace_document(phase_events(k, ("c",), pid=0, tid=1,
+                                                                       thread_name="combine")))
+    s = phase_summary(dp, kp)
+    assert s == {"dispatch.a": 2, "dispatch.b": 4, "gap before dispatch.b": 1, "combine.c": 6,
+                 "gap before combine.c": 3, "step": 16, "calls": 3}
+    assert phase_summary(dp, kp, skip=2)["combine.c"] == 7 and phase_summary(dp, kp, skip=2)["calls"] == 1
 
 
 def test_routing_bytes_dedup():

@@ -252,3 +252,43 @@ def test_profile_traces(tmp_path, capsys):
             lines.append(f"rank {rank} " + ", ".join(f"{p} {sorted(durations[p])[10]:.1f}" for p in phases))
     with capsys.disabled():
         print("\n[lowlatency gpu] trace medians (µs): " + " | ".join(lines) + f" -> {out_dir}", flush=True)
+
+
+def _profiled_graph(rank: int, world_size: int, replays: int, out_dir: str) -> dict:
+    from moekit.bench.timing import capture_graph
+
+    device = current_device()
+    g = torch.Generator(device=device).manual_seed(rank)
+    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, profile=True)
+    x, ids, w = _random_routing(S_M, device, g)
+    expert_out = torch.randn(layer.experts_per_rank, layer.capacity, S_H, device=device).bfloat16()
+    graph = capture_graph(lambda: layer.combine(expert_out, layer.dispatch(x, ids, w)))
+    layer.clear_stamps()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        layer.snapshot_stamps()
+    torch.distributed.barrier()
+    out = {}
+    for call, dump in (("dispatch", layer.dump_dispatch_trace), ("combine", layer.dump_combine_trace)):
+        path = dump(Path(out_dir) / f"graph_{call}_RANK_{rank}.json")
+        events = [e for e in load_trace(path)["traceEvents"] if e["ph"] == "X"]
+        out[call] = [(e["args"]["call"], e["name"], e["ts"], e["dur"]) for e in events]
+    layer.finalize()
+    return out
+
+
+def test_profile_under_graph_replay(tmp_path):
+    """A step captured in a CUDA graph with profile=True: snapshot_stamps after each replay
+    keeps every replay as its own call (each replay overwrites the captured stamps), each
+    with every phase, later replays later in time."""
+    _setup_env()
+    replays = 5
+    for rank, r in enumerate(launch(_profiled_graph, 2, replays, str(tmp_path), backend="nccl")):
+        for call, phases in (("dispatch", DISPATCH_PHASES), ("combine", COMBINE_PHASES)):
+            events = r[call]
+            assert sorted({c for c, *_ in events}) == list(range(replays)), (rank, call)
+            for c in range(replays):
+                assert {name for k, name, *_ in events if k == c} == set(phases), (rank, call, c)
+            first = [min(ts for k, _, ts, _ in events if k == c) for c in range(replays)]
+            assert all(a < b for a, b in zip(first, first[1:])), (rank, call, first)

@@ -35,6 +35,7 @@ pipeline works.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moekit.bench.perfetto import load_trace
 from moekit.bench.report import format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
@@ -251,7 +253,7 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
             out["bytes"].setdefault("alltoall", {})[T] = _routing_bytes(bank.ids_bank, rank, E, P, 2 * H, 2 * H,
                                                                         dedup=False)
     if cfg.trace_dir and "lowlatency" in cfg.methods:
-        out["traces"] = _profiled_run(rank, cfg, device, H, K, E)
+        out["profile"] = _profiled_run(rank, cfg, device, H, K, E)
     out["device"] = str(device)
     return out
 
@@ -269,22 +271,70 @@ def _count_check(layer, bank: _Bank, E: int) -> bool:
     return bool(ok)
 
 
-def _profiled_run(rank: int, cfg: LowLatencyBenchConfig, device, H: int, K: int, E: int) -> list[str]:
-    """20 eager profiled steps at T = min(128, max_m); Perfetto traces into ``trace_dir``."""
+PROFILED_STEPS = 200
+
+
+def _profiled_run(rank: int, cfg: LowLatencyBenchConfig, device, H: int, K: int, E: int) -> dict:
+    """Profiled steps at T = min(128, max_m): Perfetto traces into ``trace_dir`` and the median
+    of each phase and of the gaps between phases (µs).
+
+    On a GPU the step (dispatch + combine) runs as the timed runs do, as a CUDA graph replayed
+    with the ranks in step, and the stamps of each replay are kept
+    (``EPLowLatencyAllToAll.snapshot_stamps``); on the CPU the steps run eagerly. The first
+    tenth of the steps are warm-up and left out of the medians."""
     T = min(GOAL_TOKENS, cfg.max_m)
+    on_cuda = device.type == "cuda"
     layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E, online_fp8=cfg.online_fp8, dtype=torch.bfloat16, profile=True)
     bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
     expert_out = torch.randn(layer.experts_per_rank, layer.capacity, H, device=device).to(torch.bfloat16)
-    for i in range(20):
-        bank.write(i)
-        layer.combine(expert_out, layer.dispatch(bank.x, bank.ids, bank.w))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    held = {}
+
+    def step():
+        held["y"] = layer.combine(expert_out, layer.dispatch(bank.x, bank.ids, bank.w))
+
+    steps = PROFILED_STEPS if on_cuda else 20
+    run = _graphed(step, on_cuda)
+    layer.clear_stamps()  # the warm-up and capture calls
     dist.barrier()
-    paths = [str(layer.dump_dispatch_trace(Path(cfg.trace_dir) / f"ll_dispatch_RANK_{rank}.json")),
-             str(layer.dump_combine_trace(Path(cfg.trace_dir) / f"ll_combine_RANK_{rank}.json"))]
+    for i in range(steps):
+        bank.write(i)
+        run()
+        if on_cuda:
+            torch.cuda.synchronize()
+            layer.snapshot_stamps()
+    dist.barrier()
+    paths = [layer.dump_dispatch_trace(Path(cfg.trace_dir) / f"ll_dispatch_RANK_{rank}.json"),
+             layer.dump_combine_trace(Path(cfg.trace_dir) / f"ll_combine_RANK_{rank}.json")]
     layer.finalize()
-    return paths
+    return dict(traces=[str(p) for p in paths], phases=phase_summary(paths[0], paths[1], skip=steps // 10),
+                tokens=T, graph=on_cuda)
+
+
+def phase_summary(dispatch_trace: str | Path, combine_trace: str | Path, skip: int = 0) -> dict:
+    """Median µs of each phase, of the gap before it (from the previous phase's end, the
+    first combine phase counting from dispatch's last), and of the step (dispatch's first
+    start to combine's last end), over the calls of two traces of one rank, the first
+    ``skip`` calls left out."""
+    calls: dict[int, list] = {}
+    for path in (dispatch_trace, combine_trace):
+        for e in load_trace(path)["traceEvents"]:
+            if e["ph"] == "X" and e["args"]["call"] >= skip:
+                calls.setdefault(e["args"]["call"], []).append((e["cat"], e["name"], e["ts"], e["ts"] + e["dur"]))
+    per_phase: dict[str, list[float]] = {}
+    spans = []
+    for events in calls.values():
+        events.sort(key=lambda ev: (ev[0] != "dispatch", ev[2]))
+        prev_end = None
+        for cat, name, start, end in events:
+            per_phase.setdefault(f"{cat}.{name}", []).append(end - start)
+            if prev_end is not None:
+                per_phase.setdefault(f"gap before {cat}.{name}", []).append(start - prev_end)
+            prev_end = end
+        spans.append(max(ev[3] for ev in events) - min(ev[2] for ev in events))
+    out = {k: statistics.median(v) for k, v in per_phase.items()}
+    out["step"] = statistics.median(spans) if spans else None
+    out["calls"] = len(calls)
+    return out
 
 
 def vdev2d_available() -> str | None:
@@ -454,10 +504,13 @@ def _results(cfg, main: list[dict], peer: list[dict] | None, bandwidth: float | 
     checks = {"lowlatency_counts": {str(T): all(r["checks"][T] for r in main) for T in main[0]["checks"]}}
     if peer is not None:
         checks["vdev2d_identity_round_trip"] = {str(T): all(r["checks"][T] for r in peer) for T in peer[0]["checks"]}
-    traces = [p for r in main for p in r.get("traces", [])]
+    profiles = [r["profile"] for r in main if "profile" in r]
+    traces = [p for prof in profiles for p in prof["traces"]]
+    phases = [dict(rank=rank, tokens=prof["tokens"], graph=prof["graph"], **prof["phases"])
+              for rank, prof in enumerate(profiles)]
     return dict(series=series, byte_floor=floor, ratios=ratios, goal=goal, checks=checks,
                 vdev2d=dict(ran=peer is not None, skipped=vdev2d_skip, experts=cfg.peer_experts),
-                peer_bandwidth_gbps=bandwidth, traces=traces)
+                peer_bandwidth_gbps=bandwidth, traces=traces, phases=phases)
 
 
 # -------------------------------------------------------------------------- text, figure
@@ -499,6 +552,11 @@ def format_lowlatency_bench(record: dict) -> str:
         g = r["goal"]
         lines.append(f"goal: dispatch + combine at {g['tokens']} tokens/rank = {g['total_median_us']:.1f} µs "
                      f"(goal <= {g['goal_us']:.0f} µs on 2xH200): {'met' if g['met'] else 'not met'}")
+    for ph in r.get("phases", []):
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in ph.items()
+                          if k not in ("rank", "tokens", "graph", "calls", "step") and v is not None)
+        lines.append(f"profile rank {ph['rank']} (T={ph['tokens']}, {'graph replay' if ph['graph'] else 'eager'}, "
+                     f"median of {ph['calls']} steps, µs): step {ph['step']:.1f}; {parts}")
     if r["traces"]:
         lines.append("traces: " + ", ".join(r["traces"]))
     if "path" in record:

@@ -164,3 +164,20 @@ def test_profile_traces(tmp_path, monkeypatch):
         assert doc["otherData"]["calls"] == calls
     with pytest.raises(RuntimeError, match="profile=False"):
         _layer().dump_dispatch_trace(tmp_path / "x.json")
+
+
+def test_clear_and_snapshot_stamps(tmp_path):
+    """clear_stamps forgets the calls so far; snapshot_stamps copies only what a CUDA graph
+    captured, so without a capture (here, on the CPU) it adds nothing."""
+    layer = _layer(profile=True, online_fp8=False)
+    for i in range(2):
+        x, ids, w = _inputs(seed=i)
+        layer.combine(torch.zeros(E, M, H, dtype=torch.bfloat16), layer.dispatch(x, ids, w))
+    layer.clear_stamps()
+    layer.snapshot_stamps()
+    x, ids, w = _inputs(seed=5)
+    layer.combine(torch.zeros(E, M, H, dtype=torch.bfloat16), layer.dispatch(x, ids, w))
+    layer.snapshot_stamps()
+    doc = load_trace(layer.dump_combine_trace(tmp_path / "c.json"))
+    assert doc["otherData"]["calls"] == 1
+    assert {e["args"]["call"] for e in doc["traceEvents"] if e["ph"] == "X"} == {0}

@@ -127,6 +127,7 @@ class EPLowLatencyAllToAll:
         self._stamps: dict[str, collections.deque] = {
             "dispatch": collections.deque(maxlen=MAX_PROFILED_CALLS),
             "combine": collections.deque(maxlen=MAX_PROFILED_CALLS)}
+        self._captured_stamps: dict[str, torch.Tensor] = {}  # written by every replay of a graph
         self._closed = False
 
     # -- sizes -----------------------------------------------------------------------------
@@ -266,6 +267,23 @@ class EPLowLatencyAllToAll:
         """Like :meth:`dump_dispatch_trace` for combine (``prof/ll_combine_RANK_{rank}.json``)."""
         return self._dump("combine", COMBINE_PHASES, path)
 
+    def clear_stamps(self) -> None:
+        """Forget the profiled calls recorded so far (e.g. warm-up calls); a captured graph's
+        calls stay captured (see :meth:`snapshot_stamps`)."""
+        for deque in self._stamps.values():
+            deque.clear()
+
+    def snapshot_stamps(self) -> None:
+        """Keep what the latest CUDA-graph replay recorded, as one more profiled call.
+
+        A call captured in a graph stamps the same tensor at every replay, so the traces would
+        show only the last replay. Call this after each replay has finished (e.g. after
+        ``torch.cuda.synchronize()``): it appends a copy of the stamps of the dispatch and
+        combine captured last. Without a captured call it does nothing.
+        """
+        for call, stamps in self._captured_stamps.items():
+            self._stamps[call].append(stamps.clone())
+
     def _dump(self, call: str, phases: tuple[str, ...], path: str | Path | None) -> Path:
         from moekit.bench.perfetto import phase_events, trace_document, write_trace
 
@@ -290,6 +308,8 @@ class EPLowLatencyAllToAll:
             return None
         stamps = new_stamps(num_phases, self.device)
         self._stamps[call].append(stamps)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured_stamps[call] = stamps
         return stamps
 
     def _stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
