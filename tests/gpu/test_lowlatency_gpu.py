@@ -255,8 +255,6 @@ def test_profile_traces(tmp_path, capsys):
 
 
 def _profiled_graph(rank: int, world_size: int, replays: int, out_dir: str) -> dict:
-    from moekit.bench.timing import capture_graph
-
     device = current_device()
     g = torch.Generator(device=device).manual_seed(rank)
     layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, profile=True)
@@ -292,3 +290,43 @@ def test_profile_under_graph_replay(tmp_path):
                 assert {name for k, name, *_ in events if k == c} == set(phases), (rank, call, c)
             first = [min(ts for k, _, ts, _ in events if k == c) for c in range(replays)]
             assert all(a < b for a, b in zip(first, first[1:])), (rank, call, first)
+
+
+# -- 4. ids the host cannot check --------------------------------------------------------------
+
+
+def _masked_in_capture(rank: int, world_size: int) -> dict:
+    device = current_device()
+    g = torch.Generator(device=device).manual_seed(10 + rank)
+    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=False)
+    x, clean, w = _random_routing(S_M, device, g)
+    bad = clean.clone()
+    bad[1, 0], bad[2, 1] = S_E + 3, -7
+    clean[1, 0], clean[2, 1] = -1, -1
+    ids = clean.clone()  # the graph's input buffer: valid ids while warming up (checked on the host)
+    held = {}
+
+    def step():
+        held["d"] = layer.dispatch(x, ids, w)
+        held["y"] = layer.combine(held["d"].tokens, held["d"])  # identity experts
+
+    graph = capture_graph(step)
+    want = weighted_slot_sum(x.unsqueeze(1).expand(-1, S_K, -1), clean, w, torch.bfloat16)
+    out = {}
+    for name, routing in (("bad", bad), ("clean", clean)):
+        ids.copy_(routing)
+        graph.replay()
+        torch.cuda.synchronize()
+        out[name] = dict(equal=torch.equal(held["y"], want), flagged=bool(held["d"].handle.state["invalid_ids"]))
+    layer.finalize()
+    return out
+
+
+def test_out_of_range_ids_in_a_graph_are_masked_and_flagged():
+    """Under capture the layer checks ids on the device (one kernel, SymmMemTransport.mask_ids):
+    a replay with out-of-range ids gives the output of the same routing with those slots
+    masked, bitwise, and sets ``invalid_ids``; a replay with valid ids clears it."""
+    _setup_env()
+    for rank, r in enumerate(launch(_masked_in_capture, 2, backend="nccl")):
+        assert r["bad"] == dict(equal=True, flagged=True), (rank, r)
+        assert r["clean"] == dict(equal=True, flagged=False), (rank, r)

@@ -175,13 +175,16 @@ class EPLowLatencyAllToAll:
         validate_routing(x, topk_ids, weights, L.num_experts, hidden=L.hidden, top_k=L.topk, max_tokens=L.max_m,
                          check_ids=not capturing)
         self._check_tensor("x", x, L.dtype)
-        ids = topk_ids.to(torch.int32)
         invalid = None
-        if capturing:  # ids could not be checked: treat out-of-range ids as masked, and say so
-            bad = (ids < -1) | (ids >= L.num_experts)
-            ids = torch.where(bad, -1, ids)
-            invalid = bad.any()
-        ids = ids.contiguous()
+        if capturing and hasattr(self.transport, "mask_ids"):  # the same as below, in one launch
+            ids, invalid = self.transport.mask_ids(topk_ids, L.num_experts)
+        else:
+            ids = topk_ids.to(torch.int32)
+            if capturing:  # ids could not be checked: treat out-of-range ids as masked, and say so
+                bad = (ids < -1) | (ids >= L.num_experts)
+                ids = torch.where(bad, -1, ids)
+                invalid = bad.any()
+            ids = ids.contiguous()
 
         stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
         recv = self.transport.dispatch(x.contiguous(), ids, stamps)
@@ -216,7 +219,8 @@ class EPLowLatencyAllToAll:
         L = self.layout
         if not isinstance(zero_copy, bool):
             raise ValueError(f"zero_copy must be a bool, got {zero_copy!r}")
-        if isinstance(topk_ids, Dispatched):
+        from_dispatch = isinstance(topk_ids, Dispatched)
+        if from_dispatch:
             if topk_weights is not None or dispatch_meta is not None:
                 raise ValueError("combine(expert_out, dispatched) takes the routing from dispatched; "
                                  "pass either a Dispatched or (topk_ids, topk_weights, dispatch_meta)")
@@ -231,7 +235,9 @@ class EPLowLatencyAllToAll:
                                  "dispatch_meta)")
             meta, ids, weights = _meta_of(dispatch_meta), topk_ids, topk_weights
         self._check_combine_args(expert_out, ids, weights, meta)
-        if _capturing(expert_out):  # mask what dispatch masked, without reading ids on the host
+        # Mask what dispatch masked, without reading ids on the host (ids that come from the
+        # dispatch are masked already).
+        if _capturing(expert_out) and not from_dispatch:
             ids = torch.where((ids < -1) | (ids >= L.num_experts), -1, ids)
 
         stamps = self._new_stamps("combine", len(COMBINE_PHASES))

@@ -65,6 +65,19 @@ def _round_up(n: int, m: int = _ALIGN) -> int:
 
 
 @triton.jit
+def _mask_ids(ids_ptr, out_ptr, invalid_ptr, n, E, BLOCK: tl.constexpr):
+    """One program: out = ids as int32 with ids outside [-1, E) replaced by -1, and
+    ``invalid`` = whether there were any. (In a CUDA graph this is one launch where the torch
+    ops were six: cast, two compares, or, where, any.)"""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    bad = ok & ((ids < -1) | (ids >= E))
+    tl.store(out_ptr + offs, tl.where(bad, -1, ids).to(tl.int32), mask=ok)
+    tl.store(invalid_ptr, tl.max(bad.to(tl.int32), 0) > 0)
+
+
+@triton.jit
 def _peer(d: tl.constexpr, P0, P1, P2, P3, P4, P5, P6, P7):
     """Base pointer (uint8) of rank d's symmetric buffer; d is a compile-time constant."""
     p = P0
@@ -564,6 +577,16 @@ class SymmMemTransport:
         return self.out[:T]
 
     # ------------------------------------------------------------------ misc
+    def mask_ids(self, topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 ids with ids outside [-1, E) set to -1, device bool: were there any), in one
+        launch: the layer's check of ids it cannot read on the host (under graph capture)."""
+        ids = topk_ids.contiguous()
+        out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+        invalid = torch.empty((), dtype=torch.bool, device=ids.device)
+        _mask_ids[(1,)](ids, out, invalid, ids.numel(), num_experts, BLOCK=_next_pow2(max(ids.numel(), 16)),
+                        num_warps=4)
+        return out, invalid
+
     def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
         if stamps is not None:
             _stamp_now[(1,)](stamps, 2 * index + which)

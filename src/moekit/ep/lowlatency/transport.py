@@ -52,6 +52,9 @@ class Transport(Protocol):
     # TOPK_REDUCE (e.g. the fan-out runs inside its receive kernel); the layer then leaves
     # those rows alone. Absent or False: the layer stamps them around the calls.
     # stamps_layer_phases: bool
+    # Optional method mask_ids(topk_ids, num_experts) -> (int32 ids, device bool): the ids with
+    # those outside [-1, E) set to -1, and whether there were any, for calls under CUDA-graph
+    # capture (the host cannot read the ids there). Absent: the layer does it with torch ops.
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
         """Send token t once to every rank hosting one of its experts (quantized when
