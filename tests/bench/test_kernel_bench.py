@@ -26,6 +26,7 @@ from moekit.bench.kernel import (  # noqa: E402
     KernelBench,
     KernelBenchConfig,
     bench_shape,
+    compiled_kernels,
     config_id,
     point_routing,
     point_work,
@@ -276,6 +277,16 @@ def test_merge_reports_what_the_parts_still_miss():
     assert {(m["M"], m["reason"]) for m in missing[:2]} == {(1, "partial: 2/4 configs in the parts"),
                                                             (64, "partial: 2/4 configs in the parts")}
     assert merge_tables([half, whole])["incomplete"] == [skipped]
+
+
+def test_compiled_kernels_counts_one_binary_per_addressing_path():
+    from moekit.kernels import KernelConfig
+
+    two, fused = KernelConfig(bm=16), KernelConfig(bm=16, form="fused")
+    assert compiled_kernels(two, (1, 4, 16)) == 2  # direct only: GEMM1 + decode GEMM2, every M shared
+    assert compiled_kernels(two, (1, 16, 64, 4096)) == 4  # + the sorted GEMM1 and GEMM2
+    assert compiled_kernels(fused, (64, 4096)) == 1
+    assert compiled_kernels(KernelConfig(bm=128, split_k=4), (1, 128)) == 2  # direct, atomic GEMM2
 
 
 def test_load_table_rejects_bad_files(tmp_path):

@@ -345,11 +345,14 @@ def estimate_group_s(shape: BenchShape, M: int, n_configs: int, cfg: KernelBench
     return routing + baseline + n_configs * (EST_CONFIG_S + n_b * per_point)
 
 
-def specialization_variants(top_k: int, m_values) -> int:
-    """How many compiled variants one kernel may need over ``m_values``: Triton specializes an
-    int argument on being 1 or a multiple of 16, and the pair count M*K is one (a lower bound:
-    the block count can add more)."""
-    return len({(M * top_k == 1, M * top_k % 16 == 0) for M in m_values})
+def compiled_kernels(config, m_values) -> int:
+    """How many kernels Triton compiles for ``config`` over ``m_values``: the addressing
+    (direct where M <= bm, sorted above) is a compile-time constant, so each path present is
+    its own binary of every launch (two_launch: GEMM1 and a GEMM2, the decode GEMM2 under direct
+    addressing without split-K; fused: one). The batch-size ints are not specialized, so the M
+    values of one path share a binary."""
+    paths = any(M <= config.bm for M in m_values) + any(M > config.bm for M in m_values)
+    return (2 if config.form == "two_launch" else 1) * paths
 
 
 def estimate_compile_s(n_kernels: int, workers: int) -> float:
@@ -505,8 +508,7 @@ class KernelBench:
         cfg, workers = self.cfg, self._workers()
         groups = {(s.name, M): estimate_group_s(s, M, len(self.timed_configs(s)[0]), cfg, self.on_gpu, self.elem)
                   for s in self.shapes for M in cfg.m_values}
-        kernels = sum((2 if c.form == "two_launch" else 1) * specialization_variants(s.top_k, cfg.m_values)
-                      for s in self.shapes for c in self.timed_configs(s)[0])
+        kernels = sum(compiled_kernels(c, cfg.m_values) for s in self.shapes for c in self.timed_configs(s)[0])
         compile_s = estimate_compile_s(kernels, workers) if self.on_gpu else 0.0
         return {"compile_s": compile_s, "groups_s": groups, "total_s": compile_s + sum(groups.values()) + 20.0}
 
