@@ -34,16 +34,6 @@ leave the GPU short of CTAs, the named experts are split over several CTAs per t
 partials the last one to finish adds in split order. That call is two launches (no zeroed
 float32 buffer, no cast) and bitwise reproducible.
 
-By default (``DECODE_PERSISTENT``) the decode schedule is one launch instead:
-``_persistent_decode_kernel``, a cooperative grid of about two CTAs per SM that runs GEMM1
-as equal work units, waits at a grid barrier, then runs the decode GEMM2's units. Where the
-routing names too few (expert, N tile) pairs to give every CTA one (deepseek-v3's TP8 shard
-has 8 tiles of 32 columns per expert), each tile's reduction over H is split into shares whose
-float32 partials the last share adds in share order before the SwiGLU: GEMM1 then streams w13
-from every SM. Still deterministic; not bitwise equal to the two-kernel version where GEMM1 is
-split (another float32 summation order). The call is a zeroing of its int32 counters plus the
-kernel.
-
 FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
 ``float8_e4m3fn`` with one float32 scale per [128, 128] block (``moekit.fp8.quantize_blocks``);
 activations are e4m3 with one scale per token per 128 columns (``quantize_groups``), made by
@@ -631,8 +621,7 @@ if HAVE_TRITON:
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
         TILES2: tl.constexpr = (H + BN2 - 1) // BN2
-        ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS,
-                                                 True)
+        ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS, True)
         num_named = tl.max(named, 0)
         if PHASES % 2 == 1:
             tiles = num_named * TILES1
@@ -996,11 +985,9 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     addr, addr_const = al.kernel_args()
     ids, num_tokens, top_k, num_experts = addr[4:]
     interp = _interpreting()
-    # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
-    const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
-                 RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
-                 BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, num_warps=c.num_warps,
-                 num_stages=c.num_stages)
+    const = dict(MAX_BLOCKS=num_m, MAX_SPLITS1=max_splits1, SPLITS2=splits2, RUNTIME_TRIP=not interp,
+                 KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn, BK1=c.bk, BN2=bn2, BK2=bk2,
+                 PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, num_warps=c.num_warps, num_stages=c.num_stages)
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
