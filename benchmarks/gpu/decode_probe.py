@@ -10,7 +10,12 @@ hardest (few small experts touched), it measures:
    reduction chunk, expert splits) overridden over a list of alternatives
    (``fused_moe._decode_gemm2_plan``);
 3. for the best config of each form, the per-kernel GPU time from the CUDA profiler (eager
-   calls, each after a flush), so the gap between kernels and their sum is visible.
+   calls, each after a flush), so the gap between kernels and their sum is visible;
+4. with ``--two-kernel``: every decode-schedule config again with
+   ``fused_moe.DECODE_PERSISTENT = False`` (GEMM1 and the decode GEMM2 as two launches instead
+   of the one persistent kernel), in the same process, so the two are compared on one machine.
+
+Step 2 runs only with ``--gemm2-plans``.
 
 Usage (device machine, repo root):
     PYTHONPATH=src python3 benchmarks/gpu/decode_probe.py --out $OUT/decode-probe.json
@@ -51,7 +56,8 @@ def decode_configs(name: str) -> list[KernelConfig]:
 
 
 def _warm(task) -> str | None:
-    name, cfg = task
+    name, cfg, persistent = task
+    fm_module.DECODE_PERSISTENT = persistent
     s = bench_shape(name)
     dev = torch.device("cuda", 0)
     w13 = torch.empty(s.num_experts, 2 * s.intermediate, s.hidden, device=dev, dtype=torch.bfloat16)
@@ -92,10 +98,14 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--out", default="decode-probe.json")
+    p.add_argument("--two-kernel", action="store_true", help="also time the two-kernel decode schedule")
+    p.add_argument("--gemm2-plans", action="store_true", help="sweep the decode GEMM2's plan (step 2)")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
-    tasks = [(n, asdict(c)) for n in args.shapes for c in decode_configs(n)]
+    tasks = [(n, asdict(c), True) for n in args.shapes for c in decode_configs(n)]
+    if args.two_kernel:
+        tasks += [(n, asdict(c), False) for n in args.shapes for c in decode_configs(n) if c.form == "two_launch"]
     errors = compile_in_pool(_warm, tasks, args.workers)
     ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
     hbm = ceil["hbm_gbps"]
@@ -122,19 +132,35 @@ def main() -> int:
                 return lambda: fused_moe(x, w13, w2, ids, tw, c)
 
             ref = fused_moe(x, w13, w2, ids, tw, KernelConfig(bm=16, bn=64, bk=64, split_k=4)).float()
-            row = {"shape": name, "M": M, "beta": beta, **work, "configs": {}, "gemm2_tiles": {}, "kernels": {}}
-            for c in configs:
+            row = {"shape": name, "M": M, "beta": beta, **work, "configs": {}, "two_kernel": {}, "gemm2_tiles": {},
+                   "kernels": {}}
+
+            def measure(c, into):
                 try:
                     fn = call(c)
                     err = float((fn().float() - ref).norm() / ref.norm())
-                    row["configs"][config_id(c)] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
+                    into[config_id(c)] = {"us": median_us(fn, fl, args.iters), "rel_err": err}
                 except Exception as error:  # noqa: BLE001
-                    row["configs"][config_id(c)] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
+                    into[config_id(c)] = {"error": f"{type(error).__name__}: {str(error)[:150]}"}
+
+            for c in configs:
+                measure(c, row["configs"])
+            if args.two_kernel:
+                fm_module.DECODE_PERSISTENT = False
+                for c in configs:
+                    if c.form == "two_launch":
+                        measure(c, row["two_kernel"])
+                two_ok = {c: row["two_kernel"][config_id(c)] for c in configs
+                          if "us" in row["two_kernel"].get(config_id(c), {})}
+                best_two = min(two_ok, key=lambda c: two_ok[c]["us"], default=None)
+                if best_two is not None:
+                    row["kernels"]["two-kernel " + config_id(best_two)] = kernel_breakdown(call(best_two), fl)
+                fm_module.DECODE_PERSISTENT = True
             ok = {c: row["configs"][config_id(c)] for c in configs if "us" in row["configs"][config_id(c)]}
             by_form = {f: min((c for c in ok if c.form == f), key=lambda c: ok[c]["us"], default=None)
                        for f in ("two_launch", "fused")}
             best_t = by_form["two_launch"]
-            if best_t is not None:
+            if best_t is not None and args.gemm2_plans:
                 for plan in GEMM2_PLANS:
                     if plan is None:
                         plan = default_plan(s.hidden, s.intermediate, best_t.bm, best_t.bk, best_t.num_stages, 2,
@@ -162,6 +188,9 @@ def main() -> int:
             for c in sorted(ok, key=lambda c: ok[c]["us"])[:8]:
                 print(f"      {config_id(c):36s} {ok[c]['us']:8.1f} us  hbm {pct(ok[c]['us']):5.1f}%"
                       f"  err {ok[c]['rel_err']:.1e}")
+            if args.two_kernel and best_two is not None:
+                print(f"      two-kernel {config_id(best_two):25s} {two_ok[best_two]['us']:8.1f} us"
+                      f"  hbm {pct(two_ok[best_two]['us']):5.1f}%  err {two_ok[best_two]['rel_err']:.1e}")
             for k, v in row["gemm2_tiles"].items():
                 if "us" in v:
                     print(f"      gemm2 {k:24s} (with {config_id(best_t)}) {v['us']:8.1f} us"

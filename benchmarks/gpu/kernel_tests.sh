@@ -12,6 +12,11 @@
 # Usage (device machine, repo root): MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/kernel_tests.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Each process's CPU work (the float64 references) on a few threads: with one OpenMP thread
+# per core in each of several processes, their spinning threads starved each other, and the
+# shards crawled past the timeout in the tests with the heaviest references (37719a6: five
+# processes took > 100 s on a test that one process runs in 2.4 s; with 2 threads each, 4 s).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHARDS=${SHARDS:-8}
 commit=${MOEKIT_GIT_COMMIT:-unknown}

@@ -283,10 +283,20 @@ def test_compiled_kernels_counts_one_binary_per_addressing_path():
     from moekit.kernels import KernelConfig
 
     two, fused = KernelConfig(bm=16), KernelConfig(bm=16, form="fused")
-    assert compiled_kernels(two, (1, 4, 16)) == 2  # direct only: GEMM1 + decode GEMM2, every M shared
-    assert compiled_kernels(two, (1, 16, 64, 4096)) == 4  # + the sorted GEMM1 and GEMM2
+    assert compiled_kernels(two, (1, 4, 16)) == 1  # direct only: the persistent decode kernel
+    assert compiled_kernels(two, (1, 16, 64, 4096)) == 3  # + the sorted GEMM1 and GEMM2
     assert compiled_kernels(fused, (64, 4096)) == 1
     assert compiled_kernels(KernelConfig(bm=128, split_k=4), (1, 128)) == 2  # direct, atomic GEMM2
+    assert compiled_kernels(fused, (1, 64)) == 2
+
+
+def test_compiled_kernels_of_the_two_kernel_decode(monkeypatch):
+    import importlib
+
+    from moekit.kernels import KernelConfig
+
+    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_PERSISTENT", False)
+    assert compiled_kernels(KernelConfig(bm=16), (1, 4, 16)) == 2  # GEMM1 + the decode GEMM2
 
 
 def test_load_table_rejects_bad_files(tmp_path):

@@ -181,3 +181,47 @@ def test_decode_gemm2_splits_exact_and_deterministic(monkeypatch, ctas_per_sm):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, eager)
+
+
+NARROW_SHAPE = MoEShape("gpu-narrow", num_experts=64, top_k=8, hidden=2048, intermediate=256)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "two-kernel"])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_decode_schedule_graph_replays_with_new_routing(monkeypatch, persistent, tokens):
+    """The decode schedule under CUDA-graph replay, routing redrawn before every replay, on a
+    shape whose GEMM1 has few tiles (N = 256: 8 tiles of 32 per named expert), so the
+    persistent kernel splits each tile's reduction into shares (a cooperative grid of ~2 CTAs
+    per SM). 30 replays: each matches the float64 reference and gives the bits of an eager
+    call on the same routing (counts and the barrier start from zero in every replay)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_PERSISTENT", persistent)
+    w = MoEWeights.random(NARROW_SHAPE, seed=6, dtype=torch.float32)
+    x = torch.randn(tokens, NARROW_SHAPE.hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
+    w13, w2 = w.w13.bfloat16(), w.w2.bfloat16()
+    ids, tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k, zipf=1.3, seed=8)
+    cfg = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_launch")
+    xd, w13d, w2d, ids_buf, tw_buf = x.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda()
+    fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+    ref_w = MoEWeights(w.router, w13, w2)
+    for step in range(30):
+        new_ids, new_tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k,
+                                            zipf=1.3 if step % 2 else None, seed=100 + step)
+        if step % 3 == 0:
+            new_ids[0, -1] = -1
+        ids_buf.copy_(new_ids)
+        tw_buf.copy_(new_tw)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_moe(x, ref_w, new_ids, new_tw)
+        assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
+        assert torch.equal(y, fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")), step

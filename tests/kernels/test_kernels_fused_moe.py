@@ -176,15 +176,45 @@ def decode_splits(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["persistent", "persistent-split", "two-kernel"])
+def decode_impl(request, monkeypatch):
+    """The decode schedule as one persistent kernel (in the interpreter: its two phases, 5
+    programs), the same with 40 programs (more than the GEMM1 tiles, so each tile's reduction
+    is split into shares whose partials the last share adds), or as two kernels."""
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    monkeypatch.setattr(module, "DECODE_PERSISTENT", request.param != "two-kernel")
+    if request.param == "persistent-split":
+        monkeypatch.setattr(module, "INTERPRET_GRID", 40)
+    return request.param
+
+
 @pytest.mark.parametrize("M", [1, 9])
-def test_decode_schedule_split_and_unsplit(decode_splits, M):
-    """Both ways of the decode GEMM2 match the reference, with a -1 slot and skewed routing."""
+def test_decode_schedule_split_and_unsplit(decode_impl, decode_splits, M):
+    """Every way of running the decode schedule matches the reference, with a -1 slot and
+    skewed routing."""
     x, w, ids, tw = _case(M, seed=14, zipf=1.5)
     ids[0, -1] = -1
     _check(x, w, ids, tw, FORMS["two_launch_sk1"], torch.float32, alignment="direct")
 
 
-def test_decode_schedule_is_deterministic(decode_splits):
+@pytest.mark.parametrize("cfg", [KernelConfig(bm=16, bn=16, bk=16, form="two_launch"),
+                                 KernelConfig(bm=32, bn=32, bk=32, form="two_launch")], ids=["bk16", "bk32"])
+@pytest.mark.parametrize("grid", [1, 7, 64])
+def test_persistent_decode_grids(monkeypatch, cfg, grid):
+    """The persistent decode kernel with one program (it walks every unit), a few, and more
+    programs than GEMM1 tiles (reduction shares: 3 for bk = 16, 2 for bk = 32 over H = 48),
+    fp16 and fp32, against the reference; a token naming one expert twice and a -1 slot."""
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    monkeypatch.setattr(module, "DECODE_PERSISTENT", True)
+    monkeypatch.setattr(module, "INTERPRET_GRID", grid)
+    x, w, ids, tw = _case(5, seed=21, zipf=1.2)
+    ids[1, 1] = ids[1, 0]
+    ids[3, 0] = -1
+    for dtype in (torch.float16, torch.float32):
+        _check(x, w, ids, tw, cfg, dtype, alignment="direct")
+
+
+def test_decode_schedule_is_deterministic(decode_impl, decode_splits):
     """No atomic adds in the decode schedule (split partials are added in split order): the
     same call gives the same bits."""
     x, w, ids, tw = _case(9, seed=13)

@@ -34,6 +34,16 @@ leave the GPU short of CTAs, the named experts are split over several CTAs per t
 partials the last one to finish adds in split order. That call is two launches (no zeroed
 float32 buffer, no cast) and bitwise reproducible.
 
+By default (``DECODE_PERSISTENT``) the decode schedule is one launch instead:
+``_persistent_decode_kernel``, a cooperative grid of about two CTAs per SM that runs GEMM1
+as equal work units, waits at a grid barrier, then runs the decode GEMM2's units. Where the
+routing names too few (expert, N tile) pairs to give every CTA one (deepseek-v3's TP8 shard
+has 8 tiles of 32 columns per expert), each tile's reduction over H is split into shares whose
+float32 partials the last share adds in share order before the SwiGLU: GEMM1 then streams w13
+from every SM. Still deterministic; not bitwise equal to the two-kernel version where GEMM1 is
+split (another float32 summation order). The call is a zeroing of its int32 counters plus the
+kernel.
+
 FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
 ``float8_e4m3fn`` with one float32 scale per [128, 128] block (``moekit.fp8.quantize_blocks``);
 activations are e4m3 with one scale per token per 128 columns (``quantize_groups``), made by
@@ -275,10 +285,18 @@ if HAVE_TRITON:
                            stride_xm, stride_we, stride_wn, stride_wk,
                            xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
                            BM, BN, BK, PRECISION, FP8)
-        rows64 = rows.to(tl.int64)
-        i_ptrs = inter_ptr + rows64[:, None] * stride_im + offs_n[None, :]
         # Padding rows are written too (as zeros: their A rows were masked to 0), so GEMM2 never
         # reads uninitialised memory.
+        _store_act(inter_ptr, is_ptr, rows, pid_n, act, stride_im, stride_ism, N, BM, BN, FP8, SOFT_ROUND)
+
+    @triton.jit
+    def _store_act(inter_ptr, is_ptr, rows, pid_n, act, stride_im, stride_ism, N: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr):
+        """Store the float32 SwiGLU tile ``act`` (rows ``rows``, column tile ``pid_n``) as the
+        intermediate: in its dtype, or FP8 with one scale per row per 128 columns."""
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        rows64 = rows.to(tl.int64)
+        i_ptrs = inter_ptr + rows64[:, None] * stride_im + offs_n[None, :]
         if FP8:
             # Re-quantize per row per 128 columns: view the tile as [BM * BN/128, 128] (row-major,
             # so row r, group j becomes row r * BN/128 + j), one scale per row of that view.
@@ -423,17 +441,32 @@ if HAVE_TRITON:
         the ids); Triton's interpreter cannot loop to a run-time bound, so there it walks
         ceil(MAX_BLOCKS / SPLITS) experts (no share is longer) and the ones past its share are
         masked out (no loads, zero contribution). FP8: as ``_down_tile``."""
-        pid_h = tl.program_id(0)
-        split = tl.program_id(1)
-        offs_h = pid_h * BN + tl.arange(0, BN)
-        h_ok = offs_h < H
         ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS, True)
         num_named = tl.max(named, 0)
         # Never more splits than named experts: the CTAs past those exit, and with one named
         # expert the tile is stored directly. The shares differ by at most one expert.
         splits = tl.minimum(tl.maximum(num_named, 1), SPLITS)
-        if split >= splits:
-            return
+        if tl.program_id(1) < splits:
+            _decode_gemm2_tile(tl.program_id(0), tl.program_id(1), splits, num_named, ids, valid, wts, named,
+                               inter_ptr, w2_ptr, out_ptr, part_ptr, count_ptr, num_tokens, num_experts, H, N,
+                               stride_im, stride_we, stride_wh, stride_wk, stride_om,
+                               is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
+                               MAX_BLOCKS, N_CHUNKS, SPLITS, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8)
+
+    @triton.jit
+    def _decode_gemm2_tile(pid_h, split, splits, num_named, ids, valid, wts, named,
+                           inter_ptr, w2_ptr, out_ptr, part_ptr, count_ptr, num_tokens, num_experts,
+                           H: tl.constexpr, N: tl.constexpr,
+                           stride_im, stride_we, stride_wh, stride_wk, stride_om,
+                           is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
+                           MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr,
+                           RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           PRECISION: tl.constexpr, FP8: tl.constexpr):
+        """The decode GEMM2's work for column tile ``pid_h``, share ``split`` of ``splits`` of
+        the named experts (see ``_gemm2_decode_kernel``): the tile stored, or this share's
+        partial stored and, by the share that arrives last, the tile summed and stored."""
+        offs_h = pid_h * BN + tl.arange(0, BN)
+        h_ok = offs_h < H
         j_begin = split * num_named // splits
         j_end = (split + 1) * num_named // splits
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -466,6 +499,168 @@ if HAVE_TRITON:
                     total += tl.load(p_ptrs + t * BM * H, mask=h_ok[None, :] & (t < splits), other=0.0,
                                      cache_modifier=".cg")
                 tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+    @triton.jit
+    def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
+                      H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
+                      xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+        """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
+        ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
+        False."""
+        offs_k = c * BK + tl.arange(0, BK)
+        k_ok = (offs_k < H) & live
+        n_ok = offs_n < N
+        w_base = w13_ptr + expert.to(tl.int64) * stride_we
+        a = tl.load(x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            ws_base = ws_ptr + expert.to(tl.int64) * stride_wse + c * stride_wsk
+            a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
+            g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
+            u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
+            acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+            acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        return acc_g, acc_u
+
+    @triton.jit
+    def _persistent_gemm1_unit(u, splits, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr,
+                               num_experts, H: tl.constexpr, N: tl.constexpr,
+                               stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+                               xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
+                               MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
+                               BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                               SOFT_ROUND: tl.constexpr):
+        """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
+        reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
+        Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
+        its float32 gate and up partials in ``part[u]`` [BM, 2 BN]; the share that arrives last
+        at the tile's count adds the tile's partials in share order and stores the intermediate."""
+        TILES: tl.constexpr = (N + BN - 1) // BN
+        CHUNKS: tl.constexpr = (H + BK - 1) // BK
+        tile = u // splits
+        share = u % splits
+        j = tile // TILES
+        pid_n = tile % TILES
+        _, expert, rows, a_rows, row_ok, _ = _direct_block(j, ids, valid, wts, named, num_experts, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        c_begin = share * CHUNKS // splits
+        c_end = (share + 1) * CHUNKS // splits
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        if RUNTIME_TRIP:
+            for c in range(c_begin, c_end):
+                acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
+                                             H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
+                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8)
+        else:  # the interpreter: a constant trip count, chunks outside the share masked out
+            for i in range(0, CHUNKS):
+                acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
+                                             row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
+                                             xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
+                                             PRECISION, FP8)
+        if splits == 1:
+            _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
+                       N, BM, BN, FP8, SOFT_ROUND)
+        else:
+            r = tl.arange(0, BM)[:, None] * (2 * BN) + tl.arange(0, BN)[None, :]
+            p_ptrs = part_ptr + tile * splits * (BM * 2 * BN) + r  # share 0's gate partial
+            tl.store(p_ptrs + share * (BM * 2 * BN), acc_g)
+            tl.store(p_ptrs + share * (BM * 2 * BN) + BN, acc_u)
+            # Every thread's partial is written before the (one-thread) release of the count.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+                for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
+                    t_ok = t < splits
+                    acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
+                _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
+                           N, BM, BN, FP8, SOFT_ROUND)
+
+    @triton.jit
+    def _grid_barrier(count_ptr, num_programs):
+        """Wait until every program of the grid has arrived (a cooperative launch keeps them
+        all resident, so the spin cannot starve a program that has not started). Writes made
+        before the barrier by any program are visible after it: release on arrival, acquire
+        while polling, and a CTA barrier on each side for the other threads."""
+        tl.debug_barrier()
+        seen = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") + 1
+        while seen < num_programs:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE_DECODE)
+    def _persistent_decode_kernel(
+        x_ptr, w13_ptr, w2_ptr, inter_ptr, out_ptr, part1_ptr, part2_ptr, sync_ptr, weights_ptr, ids_ptr,
+        num_tokens, top_k, num_experts, H: tl.constexpr, N: tl.constexpr,
+        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_im, stride_om,
+        xs_ptr, w13s_ptr, w2s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
+        stride_w2se, stride_w2sh, stride_w2sk, stride_ism,
+        PHASES: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+        MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
+        BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
+        BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    ):
+        """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
+
+        A cooperative grid of about two CTAs per SM walks two lists of equal work units.
+        Phase 1 (``_persistent_gemm1_unit``): (named expert, N tile, reduction share), with
+        the reduction split into as many shares as bring the units to about the grid size
+        (at most MAX_SPLITS1), so few named experts with a narrow N (deepseek-v3's TP8 shard)
+        still stream w13 from every SM. Phase 2 (``_decode_gemm2_tile``): (H tile, expert
+        share), as ``_gemm2_decode_kernel``'s grid. The barrier replaces the kernel boundary
+        between the two launches of the two-kernel schedule; every sum has a fixed order, so
+        the call is deterministic.
+
+        ``sync`` (int32, zeroed by the caller): [0] the barrier, [1, 1 + grid) phase 1's tile
+        counts, then phase 2's. PHASES: 3 on the GPU (both phases, the barrier between); the
+        interpreter runs programs one after another, so a spin would never end: it launches the
+        kernel twice, PHASES = 1 then 2. Each program walks units pid, pid + grid, ...
+        RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
+        every chunk, masking the ones outside the unit's share."""
+        pid = tl.program_id(0)
+        grid = tl.num_programs(0)
+        TILES1: tl.constexpr = (N + BN1 - 1) // BN1
+        TILES2: tl.constexpr = (H + BN2 - 1) // BN2
+        ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS,
+                                                 True)
+        num_named = tl.max(named, 0)
+        if PHASES % 2 == 1:
+            tiles = num_named * TILES1
+            splits1 = tl.minimum(tl.maximum(grid // tl.maximum(tiles, 1), 1), MAX_SPLITS1)
+            units1 = tiles * splits1
+            u = pid
+            while u < units1:
+                _persistent_gemm1_unit(u, splits1, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part1_ptr,
+                                       sync_ptr + 1, num_experts, H, N,
+                                       stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
+                                       xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
+                                       stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
+                                       PRECISION, FP8, SOFT_ROUND)
+                u += grid
+        if PHASES == 3:
+            _grid_barrier(sync_ptr, grid)
+        if PHASES >= 2:
+            splits2 = tl.minimum(tl.maximum(num_named, 1), SPLITS2)
+            # Share-major order: the live units (shares < splits2) are the first ones.
+            u = pid
+            while u < splits2 * TILES2:
+                _decode_gemm2_tile(u % TILES2, u // TILES2, splits2, num_named, ids, valid, wts, named,
+                                   inter_ptr, w2_ptr, out_ptr, part2_ptr, sync_ptr + 1 + grid, num_tokens,
+                                   num_experts, H, N, stride_im, stride_w2e, stride_w2h, stride_w2k, stride_om,
+                                   is_ptr, w2s_ptr, stride_ism, stride_w2se, stride_w2sh, stride_w2sk,
+                                   MAX_BLOCKS, (N + BK2 - 1) // BK2, SPLITS2, RUNTIME_TRIP, BM, BN2, BK2,
+                                   PRECISION, FP8)
+                u += grid
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
@@ -636,6 +831,16 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 DECODE_W2_CHUNK_ELEMS = 8192
 DECODE_SMEM_BUDGET = 192 * 1024
 DECODE_CTAS_PER_SM = 2
+# The decode schedule runs as one cooperative launch (``_persistent_decode_kernel``: GEMM1, a
+# grid barrier, GEMM2) instead of two kernels; False selects the two-kernel version (kept to
+# measure one against the other). The persistent grid takes up to PERSISTENT_CTAS_PER_SM CTAs
+# per SM (fewer where the compiled kernel's registers or shared memory do not allow it), and
+# splits each GEMM1 tile's reduction into at most PERSISTENT_MAX_SPLITS shares. The
+# interpreter runs INTERPRET_GRID programs (it runs them one by one; a few exercise the loops).
+DECODE_PERSISTENT = True
+PERSISTENT_CTAS_PER_SM = 2
+PERSISTENT_MAX_SPLITS = 8
+INTERPRET_GRID = 5
 
 
 def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, fp8: bool,
@@ -718,6 +923,10 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args = (inter_s, inter_s.stride(0))
     else:
         is_args = (out, 0)
+    if decode and DECODE_PERSISTENT:
+        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft,
+                        xs_args, w13s_args, w2s_args, is_args)
+        return out
     if decode:
         bn2, bk2, splits = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, num_m,
                                               device)
@@ -757,6 +966,65 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
     return out.to(out_dtype)
+
+
+def _resident_ctas_per_sm(compiled, device: torch.device) -> int:
+    """How many CTAs of ``compiled`` (a Triton CompiledKernel) one SM holds at once, by its
+    shared memory, registers and threads, capped at PERSISTENT_CTAS_PER_SM."""
+    compiled._init_handles()  # loads the binary: fills n_regs
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = smem_sm // (compiled.metadata.shared + 1024)  # 1 KB per CTA is the system's
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp // warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_smem, by_regs, by_threads, PERSISTENT_CTAS_PER_SM))
+
+
+def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
+                    soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
+    """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
+    (a grid as large as the SMs hold, so its barrier cannot wait on a CTA that is not running);
+    two launches, one per phase, in the interpreter. Writes ``out``."""
+    H, N = x2d.shape[1], w2.shape[2]
+    device = x2d.device
+    num_m = al.max_blocks
+    bn2, bk2, splits2 = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, num_m, device)
+    tiles2 = triton.cdiv(H, bn2)
+    max_splits1 = max(1, min(triton.cdiv(H, c.bk), PERSISTENT_MAX_SPLITS))
+    addr, addr_const = al.kernel_args()
+    ids, num_tokens, top_k, num_experts = addr[4:]
+    interp = _interpreting()
+    # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
+    const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
+                 RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
+                 BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, num_warps=c.num_warps,
+                 num_stages=c.num_stages)
+
+    def args(sync, part1, part2):
+        return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
+                x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1),
+                w2.stride(2), inter.stride(0), out.stride(0),
+                xs_args[0], w13s_args[0], w2s_args[0], is_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
+                is_args[1])
+
+    f32 = torch.empty(1, dtype=torch.float32, device=device)  # the partials' pointers where there are none
+    if interp:
+        grid = INTERPRET_GRID
+        launches = [dict(PHASES=1), dict(PHASES=2)]
+    else:
+        launches = [dict(PHASES=3, launch_cooperative_grid=True)]
+        # (compiled, or found in the cache, with the launch's argument types: one binary)
+        sync_type = torch.empty(1, dtype=torch.int32, device=device)
+        compiled = _persistent_decode_kernel.warmup(*args(sync_type, f32, f32), grid=(1,), **launches[0], **const)
+        grid = _sm_count(device) * _resident_ctas_per_sm(compiled, device)
+    # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
+    sync = torch.zeros(1 + grid + tiles2, dtype=torch.int32, device=device)
+    part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
+    part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
+    for launch in launches:
+        _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
