@@ -48,7 +48,7 @@ def _check(world_size, results, cases):
             assert torch.equal(got["y_fake"], want_fake[rank]), (name, seed, rank)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_dispatch_combine_bitwise(world_size):
     cases = [(name, seed, torch.float32) for name in CASES for seed in SEEDS]
     cases += [("uniform", 7, torch.bfloat16), ("masked", 8, torch.bfloat16)]

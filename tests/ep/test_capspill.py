@@ -166,7 +166,7 @@ def _overflow_checks(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_bitwise_equal_to_eager(world_size):
     results = launch(_equality_worker, world_size, backend="gloo")
     steps = capspill_steps(world_size)

@@ -98,7 +98,7 @@ def _compare_with_eager(eager, d, y, x, ids, ws, rank, dtype, where) -> list[str
     return bad
 
 
-@pytest.mark.parametrize("world_size,num_steps", [(2, 2 * len(KINDS)), (4, len(KINDS))])
+@pytest.mark.parametrize("world_size,num_steps", [(2, 2 * len(KINDS)), (4, len(KINDS)), (8, len(KINDS))])
 def test_matches_reference_on_gloo(world_size, num_steps):
     results = launch(_worker, world_size, num_steps, backend="gloo")
     for rank, result in enumerate(results):
