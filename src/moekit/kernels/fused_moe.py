@@ -15,8 +15,7 @@ Two execution forms, picked by ``KernelConfig.form``:
 Numerics and order. All dot products accumulate in float32. The SwiGLU output is rounded to
 the input dtype before the down-projection (as the tensor cores need it, and as the plain torch
 experts do). The weighted top-k sum is accumulated in a float32 buffer and cast once at the
-end (under direct addressing the fused form casts in the kernel: the CTA that adds last into an
-H chunk stores it, ``_finalize_chunks``). Because several CTAs add into the same output row with atomics (the K slots of a token
+end. Because several CTAs add into the same output row with atomics (the K slots of a token
 live in different expert blocks; split-K and the fused form add partial sums), the order of
 the float32 additions is decided by the hardware scheduler: results are not bitwise
 reproducible run to run (differences of float32 rounding only), unlike the dispatchers'
@@ -171,8 +170,7 @@ if HAVE_TRITON:
 
         ``live`` is False for blocks with no work (the grid covers an upper bound; the real
         count is on the device): the caller must return at once (a helper cannot return from
-        its caller). Last, ``num_named``: how many blocks are live in all (direct addressing;
-        0 under sorted addressing, where the count is not computed). ``rows`` are the block's rows of the padded order (the intermediate's rows
+        its caller). ``rows`` are the block's rows of the padded order (the intermediate's rows
         in two_launch), ``a_rows`` / ``out_rows`` the rows of x and of the output they read and
         write, ``row_ok`` False on padding rows, ``w`` the routing weight of each row (when
         MUL_WEIGHT).
@@ -193,9 +191,7 @@ if HAVE_TRITON:
                                                      BINS, MUL_WEIGHT)
             live, expert, rows, a_rows, row_ok, w = _direct_block(pid_m, ids, valid, wts, named, num_experts, BM)
             out_rows = a_rows
-            num_named = tl.max(named, 0)
         else:
-            num_named = 0
             live = pid_m * BM < tl.load(num_padded_ptr)
             expert = tl.load(block_expert_ptr + pid_m)
             live = live & (expert >= 0)
@@ -208,7 +204,7 @@ if HAVE_TRITON:
                 w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
             else:
                 w = tl.zeros((BM,), tl.float32)
-        return live, expert, rows, a_rows, out_rows, row_ok, w, num_named
+        return live, expert, rows, a_rows, out_rows, row_ok, w
 
     @triton.jit
     def _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H: tl.constexpr, N: tl.constexpr,
@@ -279,7 +275,7 @@ if HAVE_TRITON:
                 tl.store(count_ptr + offs_c, tl.zeros((COUNTERS,), tl.int32), mask=offs_c < num_counters)
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, a_rows, _, row_ok, _, _ = _block_rows(
+        live, expert, rows, a_rows, _, row_ok, _ = _block_rows(
             pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, ids_ptr, num_tokens,
             top_k, num_experts, A_DIV, 1, BM, DIRECT, KP, BINS, False)
         if not live:
@@ -368,7 +364,7 @@ if HAVE_TRITON:
         FP8: see ``_down_tile``."""
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, rows, _, out_rows, row_ok, w, _ = _block_rows(
+        live, expert, rows, _, out_rows, row_ok, w = _block_rows(
             pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
             top_k, num_experts, 1, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
         if not live:
@@ -668,31 +664,24 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
-        x_ptr, w13_ptr, w2_ptr, out_ptr, final_ptr, count_ptr, weights_ptr,
+        x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr,
         sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, num_tokens, top_k, num_experts,
         num_m, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_om,
-        stride_fm, xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
+        xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
         stride_w2se, stride_w2sh, stride_w2sk,
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        FINALIZE: tl.constexpr, CHUNKS_P2: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
-
-        FINALIZE (direct addressing only): the cast of the float32 sums to the output dtype is
-        done here instead of by a kernel of its own. Every live CTA counts itself, after its
-        adds, in ``count[chunk]`` for each H chunk (one vector atomic, release); the CTA that
-        arrives last at a chunk (all named experts x N tiles have added into it) reads the
-        chunk's float32 rows from L2 and stores them into ``final`` in its dtype.
 
         FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
         scale block h0: one activation scale per row and one w2 scale per chunk."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        live, expert, _, a_rows, out_rows, row_ok, w, num_named = _block_rows(
+        live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
             pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
             top_k, num_experts, A_DIV, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
         if not live:
@@ -727,36 +716,6 @@ if HAVE_TRITON:
             tl.atomic_add(o_ptrs, part, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
             b_ptrs += BK * stride_w2h
             o_ptrs += BK
-        if FINALIZE:
-            _finalize_chunks(out_ptr, final_ptr, count_ptr, num_named * num_n, num_tokens, stride_om, stride_fm,
-                             H, BM, BK, CHUNKS_P2)
-
-    @triton.jit
-    def _finalize_chunks(acc_ptr, final_ptr, count_ptr, contributors, num_rows, stride_am, stride_fm,
-                         H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, CP: tl.constexpr):
-        """The fused form's in-kernel cast (``_fused_kernel``'s FINALIZE): count this CTA in every
-        H chunk's arrival count; where it is the last of ``contributors``, store the chunk's
-        rows of the float32 ``acc`` into ``final`` in its dtype. CP: the chunk count rounded up
-        to a power of two."""
-        CHUNKS: tl.constexpr = (H + BK - 1) // BK
-        offs_c = tl.arange(0, CP)
-        c_ok = offs_c < CHUNKS
-        # Every thread's atomic adds are issued before the counts are released.
-        tl.debug_barrier()
-        seen = tl.atomic_add(count_ptr + offs_c, tl.full((CP,), 1, tl.int32), mask=c_ok, sem="acq_rel", scope="gpu")
-        last = ((seen == contributors - 1) & c_ok).to(tl.int32)
-        if tl.max(last, 0) > 0:
-            rows = tl.arange(0, BM)
-            offs_h = tl.arange(0, BK)
-            for c in range(0, CHUNKS):
-                if tl.sum(tl.where(offs_c == c, last, 0), 0) > 0:
-                    hh = c * BK + offs_h
-                    m = (rows < num_rows)[:, None] & (hh < H)[None, :]
-                    # .cg: from L2, where the other CTAs' atomic adds are (never this SM's L1).
-                    v = tl.load(acc_ptr + rows[:, None] * stride_am + hh[None, :], mask=m, other=0.0,
-                                cache_modifier=".cg")
-                    tl.store(final_ptr + rows[:, None] * stride_fm + hh[None, :],
-                             v.to(final_ptr.dtype.element_ty), mask=m)
 
 
 def _require_triton() -> None:
@@ -919,7 +878,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
     the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
     decode schedule (``_decode_schedule``), the kernels add into a zeroed float32 buffer with
-    atomics, cast once at the end (by the fused kernel itself under direct addressing).
+    atomics, cast once at the end.
     """
     H = x2d.shape[1]
     N = w2.shape[2]
@@ -928,18 +887,8 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     decode = _decode_schedule(config, al)
     if num_m == 0:
         return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
-    # The fused form under direct addressing casts the float32 sums itself (``_fused_kernel``'s
-    # FINALIZE): the sums and the H chunks' arrival counts are then one zeroed buffer, and the
-    # call is one fill and one kernel.
-    finalize = config.form == "fused" and isinstance(al, DirectBlocks) and out_dtype != torch.float32
-    chunks = triton.cdiv(H, config.bk)
-    if decode:
-        out = torch.empty(out_rows, H, dtype=out_dtype, device=device)
-    elif finalize:
-        ws = torch.zeros(out_rows * H + chunks, dtype=torch.float32, device=device)
-        out = ws[:out_rows * H].view(out_rows, H)
-    else:
-        out = torch.zeros(out_rows, H, dtype=torch.float32, device=device)
+    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
+           else torch.zeros(out_rows, H, dtype=torch.float32, device=device))
     fp8 = scales is not None
     prec = _precision(x2d.dtype)
     c = config
@@ -956,21 +905,16 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         xs_args, w13s_args, w2s_args = (out, 0), (out, 0, 0, 0), (out, 0, 0, 0)
     soft = fp8 and _interpreting()
     if c.form == "fused":
-        final, count = out, out  # (never read without FINALIZE)
-        if finalize:
-            count = ws[out_rows * H:].view(torch.int32)
-            final = torch.empty(out_rows, H, dtype=out_dtype, device=device)
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
-            x2d, w13, w2, out, final, count, wptr, *addr, num_m, H, N,
+            x2d, w13, w2, out, wptr, *addr, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), final.stride(0),
+            w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
-            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            FINALIZE=finalize, CHUNKS_P2=triton.next_power_of_2(chunks), **launch,
+            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
         )
-        return final if finalize else out.to(out_dtype)
+        return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
     inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=device)
