@@ -41,6 +41,19 @@ POINTS = (
                                              form="two_launch")),
 )
 
+# The fused form at the decode points where it wins (direct addressing).
+FUSED = KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=1, form="fused")
+FUSED_POINTS = (
+    ("olmoe-1b-7b", 1, 1.0, FUSED),
+    ("qwen3-30b-a3b", 1, 1.0, FUSED),
+    ("olmoe-1b-7b", 16, 1.0, FUSED),
+    ("qwen3-30b-a3b", 16, 1.0, FUSED),
+    ("deepseek-v3-tp8", 16, 1.0, KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=1,
+                                              form="fused")),
+    ("deepseek-v3-ep32", 16, 1.0, FUSED),
+)
+POINT_SETS = {"decode": POINTS, "fused": FUSED_POINTS}
+
 
 def load_baseline(path: str):
     spec = importlib.util.spec_from_file_location("moekit.kernels._ab_baseline", path)
@@ -56,13 +69,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="ab.json")
+    p.add_argument("--points", choices=sorted(POINT_SETS), default="decode")
     args = p.parse_args()
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
     versions = {"baseline": load_baseline(args.baseline_file), "current": fused_moe}
     flusher = L2Flusher(256 << 20, dev)
     rows, last = [], None
-    for name, M, beta, cfg in POINTS:
+    for name, M, beta, cfg in POINT_SETS[args.points]:
         s = bench_shape(name)
         if name != last:
             w13, w2 = expert_weights(s, dev)
