@@ -49,10 +49,10 @@ GEMM2_PLANS = (None, (16, 256, 1), (16, 512, 1), (16, 256, 2), (16, 512, 2), (16
                (16, 128, 8), (32, 256, 1), (32, 256, 2), (32, 256, 4), (32, 128, 8), (64, 256, 4))
 
 
-def decode_configs(name: str) -> list[KernelConfig]:
-    """bm = 16 configs without swizzle (one block per expert) and without split-K."""
+def decode_configs(name: str, bm: int = 16) -> list[KernelConfig]:
+    """bm-row configs without split-K (bm = 16: also without swizzle, one block per expert)."""
     return [c for c in config_space(bench_shape(name).moe_shape, "cuda")
-            if c.bm == 16 and c.group_m == 1 and c.split_k == 1]
+            if c.bm == bm and (c.group_m == 1 or bm > 16) and c.split_k == 1]
 
 
 def _warm(task) -> str | None:
@@ -100,12 +100,17 @@ def main() -> int:
     p.add_argument("--out", default="decode-probe.json")
     p.add_argument("--two-kernel", action="store_true", help="also time the two-kernel decode schedule")
     p.add_argument("--gemm2-plans", action="store_true", help="sweep the decode GEMM2's plan (step 2)")
+    p.add_argument("--bm", type=int, default=16, help="the token block of the configs timed")
+    p.add_argument("--points", nargs="+", default=None, metavar="M:BETA",
+                   help="points to time (default: " + " ".join(f"{m}:{b}" for m, b in POINTS) + ")")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
-    tasks = [(n, asdict(c), True) for n in args.shapes for c in decode_configs(n)]
+    points = POINTS if args.points is None else [(int(m), float(b)) for m, b in (p.split(":") for p in args.points)]
+    tasks = [(n, asdict(c), True) for n in args.shapes for c in decode_configs(n, args.bm)]
     if args.two_kernel:
-        tasks += [(n, asdict(c), False) for n in args.shapes for c in decode_configs(n) if c.form == "two_launch"]
+        tasks += [(n, asdict(c), False) for n in args.shapes for c in decode_configs(n, args.bm)
+                  if c.form == "two_launch"]
     errors = compile_in_pool(_warm, tasks, args.workers)
     ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
     hbm = ceil["hbm_gbps"]
@@ -116,8 +121,8 @@ def main() -> int:
     for name in args.shapes:
         s = bench_shape(name)
         w13, w2 = expert_weights(s, dev)
-        configs = decode_configs(name)
-        for M, beta in POINTS:
+        configs = decode_configs(name, args.bm)
+        for M, beta in points:
             r = point_routing(s, M, beta, 1000 + M)
             work = point_work(s, r.ids, 2)
             x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
