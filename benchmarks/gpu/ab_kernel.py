@@ -18,6 +18,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from probe_common import expert_weights, median_us, write_result
@@ -48,8 +49,7 @@ FUSED_POINTS = (
     ("qwen3-30b-a3b", 1, 1.0, FUSED),
     ("olmoe-1b-7b", 16, 1.0, FUSED),
     ("qwen3-30b-a3b", 16, 1.0, FUSED),
-    ("deepseek-v3-tp8", 16, 1.0, KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=1,
-                                              form="fused")),
+    ("deepseek-v3-tp8", 16, 1.0, replace(FUSED, num_stages=3)),
     ("deepseek-v3-ep32", 16, 1.0, FUSED),
 )
 POINT_SETS = {"decode": POINTS, "fused": FUSED_POINTS}
