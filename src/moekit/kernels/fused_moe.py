@@ -982,6 +982,9 @@ def _resident_ctas_per_sm(compiled, device: torch.device) -> int:
     return max(1, min(by_smem, by_regs, by_threads, PERSISTENT_CTAS_PER_SM))
 
 
+_PERSISTENT_GRIDS: dict[tuple, int] = {}  # _run_persistent's grid per binary
+
+
 def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
                     soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
     """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
@@ -1015,10 +1018,15 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
         launches = [dict(PHASES=1), dict(PHASES=2)]
     else:
         launches = [dict(PHASES=3, launch_cooperative_grid=True)]
-        # (compiled, or found in the cache, with the launch's argument types: one binary)
-        sync_type = torch.empty(1, dtype=torch.int32, device=device)
-        compiled = _persistent_decode_kernel.warmup(*args(sync_type, f32, f32), grid=(1,), **launches[0], **const)
-        grid = _sm_count(device) * _resident_ctas_per_sm(compiled, device)
+        # The grid depends only on the binary: looked up once per (device, dtypes, constants),
+        # so an eager call does not pay the compile-cache lookup twice.
+        key = (device, x2d.dtype, w13.dtype, inter.dtype, out.dtype, tuple(sorted(const.items())))
+        grid = _PERSISTENT_GRIDS.get(key)
+        if grid is None:
+            sync_type = torch.empty(1, dtype=torch.int32, device=device)
+            compiled = _persistent_decode_kernel.warmup(*args(sync_type, f32, f32), grid=(1,), **launches[0],
+                                                        **const)
+            grid = _PERSISTENT_GRIDS[key] = _sm_count(device) * _resident_ctas_per_sm(compiled, device)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = torch.zeros(1 + grid + tiles2, dtype=torch.int32, device=device)
     part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
