@@ -323,7 +323,7 @@ def _masked_in_capture(rank: int, world_size: int) -> dict:
 
 
 def test_out_of_range_ids_in_a_graph_are_masked_and_flagged():
-    """Under capture the layer checks ids on the device (one kernel, SymmMemTransport.mask_ids):
+    """Under capture the layer checks ids on the device (in the dispatch kernel, dispatch_unchecked):
     a replay with out-of-range ids gives the output of the same routing with those slots
     masked, bitwise, and sets ``invalid_ids``; a replay with valid ids clears it."""
     _setup_env()

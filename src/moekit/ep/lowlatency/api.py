@@ -176,18 +176,19 @@ class EPLowLatencyAllToAll:
                          check_ids=not capturing)
         self._check_tensor("x", x, L.dtype)
         invalid = None
-        if capturing and hasattr(self.transport, "mask_ids"):  # the same as below, in one launch
-            ids, invalid = self.transport.mask_ids(topk_ids, L.num_experts)
+        stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
+        if hasattr(self.transport, "dispatch_unchecked"):  # the masking below, inside its dispatch kernel
+            recv, ids, device_invalid = self.transport.dispatch_unchecked(
+                x.contiguous(), topk_ids.contiguous(), L.num_experts, stamps)
+            if capturing:
+                invalid = device_invalid
         else:
             ids = topk_ids.to(torch.int32)
             if capturing:  # ids could not be checked: treat out-of-range ids as masked, and say so
                 bad = (ids < -1) | (ids >= L.num_experts)
                 ids = torch.where(bad, -1, ids)
                 invalid = bad.any()
-            ids = ids.contiguous()
-
-        stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
-        recv = self.transport.dispatch(x.contiguous(), ids, stamps)
+            recv = self.transport.dispatch(x.contiguous(), ids.contiguous(), stamps)
         self._stamp(stamps, POSTPROCESS, START)
         meta = self.transport.postprocess(recv)
         tokens, scales = self.transport.fan_out(recv, meta)

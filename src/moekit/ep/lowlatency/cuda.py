@@ -6,32 +6,34 @@ the layout (:mod:`moekit.ep.lowlatency.layout`) and the combine slot rows, plus 
 counters. Kernels store straight into the peers' regions; no host sync, no NCCL, so a whole
 dispatch + combine can be captured in one CUDA graph and replayed.
 
-Four kernels per step:
+Two kernels per step, each one cooperative launch (every program resident at once, so a
+program spinning on a signal can never keep one that must send from running; at most one
+program per SM):
 
-* dispatch ``_put_tokens`` (one program per token stride): quantize the token to e4m3 with
-  one float32 scale per 128 columns (when ``online_fp8``), store it ONCE into every rank that
-  hosts one of its experts, its ``topk_ids`` row into every rank, T into every rank
-  (quant_and_put); then add 1 to the arrival counter of this source on every rank
-  (count_put, release at system scope).
-* dispatch ``_recv_tokens`` (one program per local expert x row chunk): wait until every
-  source's counter reached this step's value (wait), then build the expert-major meta from
-  the received ids with a cumsum and copy the chunk's rows out of the receive buffer (the
-  fan-out; postprocess). All programs compute the same prefix sums for their expert; each
-  writes only its own rows, so no two programs write one address.
-* combine ``_put_outputs`` (persistent programs over the valid rows): store each expert
-  output row into its source rank's slot rows ``[token, k]`` for every slot it serves
-  (copy_and_put), then count arrival on every rank.
-* combine ``_reduce_slots`` (one program per token x column block): wait (recv_wait), then
-  the K-slot float32 sum in slot order, compiled without FMA contraction so it is bitwise
-  equal to :func:`moekit.ep.dispatcher.weighted_slot_sum` (topk_reduce).
+* ``_dispatch_kernel``: quant_and_put (tokens pid, pid + grid, ...: mask ids outside
+  [-1, E) to -1, quantize the token to e4m3 with one float32 scale per 128 columns when
+  ``online_fp8``, store it ONCE into every rank that hosts one of its experts, its ids row
+  and T into every rank); count_put (the last program to finish its puts adds 1 to this
+  source's arrival counter on every rank, release at system scope); wait (every source's
+  counter reached this step's value); postprocess (local experts pid, pid + grid, ...: the
+  expert-major meta from the received ids with a cumsum, then the fan-out copy of the
+  expert's rows out of the receive buffer).
+* ``_combine_kernel``: copy_and_put (units of (source rank, 2 tokens): each expert output
+  row this rank serves goes to its source rank's slot rows ``[token, k]``, once per slot),
+  the arrival signal as above, recv_wait, then topk_reduce (units of (token, 1024
+  columns)): the K-slot float32 sum in slot order, compiled without FMA contraction so it is
+  bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
+
+Merging the four kernels of b2ba722 (put and receive for each direction) into two removed
+the launch gaps between them under graph replay (docs/lowlatency.md has the numbers).
 
 Double buffering and signals. A step's phase is ``epoch & 1`` where ``epoch`` lives on the
 device (one for dispatch, one for combine) and is advanced by the last program of the
-step's receive kernel (a ticket counter tells which program is last, after every program
+step's kernel (a ticket counter tells which program is last, after every program
 has read the epoch). A sender may run at most one step ahead of a receiver (it cannot
 finish step n+1 before the receiver has sent its step n+1 data, which the receiver does
 only after it finished reading step n), so two phases are enough. The counters are int64
-and only grow: the receiver of use u of a phase waits for ``u * programs``, a value no
+and only grow: the receiver of use u of a phase waits for the value u, which no
 earlier step can reach, so a stale signal can never match, and replaying a captured graph
 keeps working because nothing is frozen on the host.
 """
@@ -42,17 +44,16 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, topk_reduce
-from moekit.ep.lowlatency.transport import (COPY_AND_PUT, COUNT_PUT, POSTPROCESS, QUANT_AND_PUT, RECV_WAIT,
-                                            TOPK_REDUCE, WAIT)
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 MAX_PEERS = 8  # peer base pointers are kernel arguments P0..P7 (ranks of one NVLink domain)
+MAX_PROGRAMS = 1024  # the dispatch kernel gathers one flag per program (and grids are <= the SMs)
 _ALIGN = 256
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
-# program of the receive/reduce kernels (2, 3) and of the put kernels (4, 5)
+# program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5)
 _STATE_SIZE = 6
 
 
@@ -62,19 +63,6 @@ def _next_pow2(n: int) -> int:
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
     return -(-n // m) * m
-
-
-@triton.jit
-def _mask_ids(ids_ptr, out_ptr, invalid_ptr, n, E, BLOCK: tl.constexpr):
-    """One program: out = ids as int32 with ids outside [-1, E) replaced by -1, and
-    ``invalid`` = whether there were any. (In a CUDA graph this is one launch where the torch
-    ops were six: cast, two compares, or, where, any.)"""
-    offs = tl.arange(0, BLOCK)
-    ok = offs < n
-    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
-    bad = ok & ((ids < -1) | (ids >= E))
-    tl.store(out_ptr + offs, tl.where(bad, -1, ids).to(tl.int32), mask=ok)
-    tl.store(invalid_ptr, tl.max(bad.to(tl.int32), 0) > 0)
 
 
 @triton.jit
@@ -171,17 +159,16 @@ def _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7,
 
 
 @triton.jit
-def _put_tokens(x_ptr, ids_ptr, T, state_ptr, stamps_ptr,
+def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
                 P0, P1, P2, P3, P4, P5, P6, P7,
-                OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
-                G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                QUANT: tl.constexpr, PROFILE: tl.constexpr, NPROG: tl.constexpr):
-    pid = tl.program_id(0)
-    if PROFILE:
-        t0 = globaltimer()
-    phase = tl.load(state_ptr + 0) & 1
+                G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr):
+    """quant_and_put for tokens pid, pid + nprog, ...: mask the token's ids (those outside
+    [-1, NE) become -1; the int32 row goes to ``ids_out``), quantize it, store it once into
+    every rank hosting one of its experts and its ids row into every rank; program 0 also
+    stores T. Returns 1 if this program masked an id, else 0."""
     ks = tl.arange(0, KP)
     k_ok = ks < K
     if QUANT:
@@ -191,8 +178,13 @@ def _put_tokens(x_ptr, ids_ptr, T, state_ptr, stamps_ptr,
     else:
         offs = tl.arange(0, HP)
         x_ok = offs < H
-    for t in range(pid, T, NPROG):
-        ids = tl.load(ids_ptr + t * K + ks, mask=k_ok, other=-1)
+    bad_any = tl.zeros((KP,), tl.int32)
+    for t in range(pid, T, nprog):
+        raw = tl.load(ids_ptr + t * K + ks, mask=k_ok, other=-1)
+        bad = k_ok & ((raw < -1) | (raw >= NE))
+        bad_any = bad_any | bad.to(tl.int32)
+        ids = tl.where(bad, -1, raw).to(tl.int32)
+        tl.store(ids_out_ptr + t * K + ks, ids, mask=k_ok)
         row = (RANK * M + t).to(tl.int64)
         if QUANT:
             xv = tl.load(x_ptr + t.to(tl.int64) * H + offs, mask=x_ok, other=0.0).to(tl.float32)
@@ -218,38 +210,21 @@ def _put_tokens(x_ptr, ids_ptr, T, state_ptr, stamps_ptr,
             base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
             t_dst = _region(base, OFF_T, phase, T_PHASE, tl.int32)
             tl.store(t_dst + RANK, T)
-    if PROFILE:
-        t1 = globaltimer()
-        _stamp_range(stamps_ptr, 0, t0, t1)
-    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 4, RANK, W, NPROG)
-    if PROFILE:
-        _stamp_range(stamps_ptr, 1, t1, globaltimer())
+    return tl.max(bad_any, 0)
 
 
 @triton.jit
-def _recv_tokens(own_ptr, state_ptr, stamps_ptr, tok_ptr, tsc_ptr,
+def _recv_expert(e, own_ptr, phase, tok_ptr, tsc_ptr,
                  counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr, range_ptr, row_index_ptr,
                  num_tokens_ptr, slot_row_ptr,
-                 OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                 OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
                  RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
                  K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                 QUANT: tl.constexpr, ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr,
-                 PROFILE: tl.constexpr):
-    """One program per local expert e: wait, number e's rows in (source, token) order with a
-    cumsum over the received ids, write the meta (scattered to the rows' places, padding rows
-    -1), then copy e's rows out of the receive buffer (the fan-out)."""
-    e = tl.program_id(0)
+                 QUANT: tl.constexpr, ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr):
+    """postprocess for local expert e (after the wait): number e's rows in (source, token)
+    order with a cumsum over the received ids, write the meta (scattered to the rows' places,
+    padding rows -1), then copy e's rows out of the receive buffer (the fan-out)."""
     CAP: tl.constexpr = W * M
-    epoch = tl.load(state_ptr + 0)
-    phase = epoch & 1
-    if PROFILE:
-        t0 = globaltimer()
-    cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
-    for s in tl.static_range(W):
-        _wait_at_least(cnt + s, (epoch >> 1) + 1)
-    if PROFILE:
-        t1 = globaltimer()
-
     ids_base = _region(own_ptr, OFF_I, phase, I_PHASE, tl.int32)
     t_base = _region(own_ptr, OFF_T, phase, T_PHASE, tl.int32)
     my_expert = RANK * EL + e
@@ -315,26 +290,68 @@ def _recv_tokens(own_ptr, state_ptr, stamps_ptr, tok_ptr, tsc_ptr,
             m = valid[:, None] & (gg < NG)[None, :]
             v = tl.load(s_base + src_row[:, None] * NG + gg[None, :], mask=m)
             tl.store(tsc_ptr + dst_row[:, None] * NG + gg[None, :], v, mask=m)
-    if PROFILE:
-        t2 = globaltimer()
-        _stamp_range(stamps_ptr, 2, t0, t1)
-        _stamp_range(stamps_ptr, 3, t1, t2)
-    _last_program_advances(state_ptr, epoch, 0, 2, tl.num_programs(0))
 
 
 @triton.jit
-def _put_outputs(eo_ptr, slot_row_ptr, num_tokens_ptr, state_ptr, stamps_ptr,
-                 P0, P1, P2, P3, P4, P5, P6, P7,
-                 OFF_C, C_PHASE, OFF_CNT,
-                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
-    """Program (d, b): the slots of source rank d's tokens [b*TB, (b+1)*TB) that this rank
-    serves (``slot_row``), each expert output row stored into rank d's slot row [t, k]."""
-    d = tl.program_id(0)
-    b = tl.program_id(1)
+def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, own_ptr, state_ptr, stamps_ptr,
+                     tok_ptr, tsc_ptr, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
+                     range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr,
+                     P0, P1, P2, P3, P4, P5, P6, P7,
+                     OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                     RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
+                     HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
+                     G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr,
+                     ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
+    """The whole dispatch in one cooperative launch (every program resident, so a program
+    spinning in the wait cannot keep a sender off the GPU): quant_and_put (tokens pid,
+    pid + grid, ...), count_put (the last program to finish its puts raises this source's
+    counter on every rank), wait (every source's counter), postprocess (local experts pid,
+    pid + grid, ...). Program 0 also says whether any program masked an id."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(state_ptr + 0)
+    phase = epoch & 1
     if PROFILE:
         t0 = globaltimer()
-    phase = tl.load(state_ptr + 1) & 1
+    bad = _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase, P0, P1, P2, P3, P4, P5, P6, P7,
+                      OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
+                      RANK, W, M, H, HP, K, KP, EL, G, NG, NGP, QUANT)
+    tl.store(bad_ptr + pid, bad)
+    if PROFILE:
+        t1 = globaltimer()
+        _stamp_range(stamps_ptr, 0, t0, t1)
+    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 4, RANK, W, nprog)
+    if PROFILE:
+        t2 = globaltimer()
+        _stamp_range(stamps_ptr, 1, t1, t2)
+    if pid < EL or pid == 0:
+        cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
+        for s in tl.static_range(W):
+            _wait_at_least(cnt + s, (epoch >> 1) + 1)
+    if PROFILE:
+        t3 = globaltimer()
+        _stamp_range(stamps_ptr, 2, t2, t3)
+    if pid == 0:  # every program stored its flag before its ticket, which the wait ordered before this
+        flags = tl.load(bad_ptr + tl.arange(0, 1024), mask=tl.arange(0, 1024) < nprog, other=0)
+        tl.store(invalid_ptr, tl.max(flags, 0) > 0)
+    e = pid
+    while e < EL:
+        _recv_expert(e, own_ptr, phase, tok_ptr, tsc_ptr, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr,
+                     slot_bits_ptr, range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr,
+                     OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
+                     RANK, W, M, MP, H, K, KP, EL, NG, NGP, QUANT, ROWS, CAPP, BH)
+        e += nprog
+    if PROFILE:
+        _stamp_range(stamps_ptr, 3, t3, globaltimer())
+    _last_program_advances(state_ptr, epoch, 0, 2, nprog)
+
+
+@triton.jit
+def _put_outputs(d, b, eo_ptr, slot_row_ptr, num_tokens_ptr, phase, P0, P1, P2, P3, P4, P5, P6, P7,
+                 OFF_C, C_PHASE, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                 KP: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr):
+    """copy_and_put for source rank d's tokens [b*TB, (b+1)*TB): each slot this rank serves
+    (``slot_row``) gets its expert output row, stored into rank d's slot row [t, k]."""
     i = tl.arange(0, TB * KP)
     t = b * TB + i // KP
     k = i % KP
@@ -351,45 +368,68 @@ def _put_outputs(eo_ptr, slot_row_ptr, num_tokens_ptr, state_ptr, stamps_ptr,
                 m = ok[:, None] & (hh < H)[None, :]
                 v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=m)
                 tl.store(c_dst + slot[:, None] * H + hh[None, :], v, mask=m)
-    if PROFILE:
-        _stamp_range(stamps_ptr, 0, t0, globaltimer())
-    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 5, RANK, W,
-                    tl.num_programs(0) * tl.num_programs(1))
 
 
 @triton.jit
-def _reduce_slots(own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr, stamps_ptr,
-                  OFF_C, C_PHASE, OFF_CNT,
-                  W: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+def _reduce_slots(t, hb, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE,
+                  H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
+    """topk_reduce of token t, columns [hb*BH, (hb+1)*BH): the K-slot float32 sum in slot
+    order. Separate multiply and add (the kernel is compiled without FMA contraction), so the
+    float32 operations are those of weighted_slot_sum and the result is bitwise equal."""
+    hh = hb * BH + tl.arange(0, BH)
+    h_ok = hh < H
+    slots = _region(own_ptr, OFF_C, phase, C_PHASE, out_ptr.dtype.element_ty)
+    acc = tl.zeros((BH,), tl.float32)
+    for k in tl.static_range(K):
+        eid = tl.load(ids_ptr + t * K + k)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        v = tl.load(slots + (t * K + k).to(tl.int64) * H + hh, mask=h_ok, other=0.0).to(tl.float32)
+        acc = tl.where(eid >= 0, acc + v * w, acc)
+    tl.store(out_ptr + t.to(tl.int64) * H + hh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr,
+                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_CNT,
+                    RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
+                    PROFILE: tl.constexpr):
+    """The whole combine in one cooperative launch: copy_and_put over units (source rank,
+    TB tokens), the arrival signal (last program, once per peer), recv_wait, then topk_reduce
+    over units (token, BH columns), each list walked pid, pid + grid, ..."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 1)
     phase = epoch & 1
     if PROFILE:
         t0 = globaltimer()
-    cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
-    for s in tl.static_range(W):
-        _wait_at_least(cnt + s, (epoch >> 1) + 1)
+    blocks: tl.constexpr = (M + TB - 1) // TB
+    u = pid
+    while u < W * blocks:
+        _put_outputs(u // blocks, u % blocks, eo_ptr, slot_row_ptr, num_tokens_ptr, phase,
+                     P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, W, M, H, K, KP, TB, BH_PUT)
+        u += nprog
     if PROFILE:
         t1 = globaltimer()
-    if t < T:
-        hh = hb * BH + tl.arange(0, BH)
-        h_ok = hh < H
-        slots = _region(own_ptr, OFF_C, phase, C_PHASE, out_ptr.dtype.element_ty)
-        acc = tl.zeros((BH,), tl.float32)
-        for k in tl.static_range(K):
-            eid = tl.load(ids_ptr + t * K + k)
-            w = tl.load(w_ptr + t * K + k)
-            v = tl.load(slots + (t * K + k).to(tl.int64) * H + hh, mask=h_ok, other=0.0).to(tl.float32)
-            # Separate multiply and add (the kernel is compiled without FMA contraction), in slot
-            # order: the same float32 operations as weighted_slot_sum, so the result is bitwise equal.
-            acc = tl.where(eid >= 0, acc + v * w, acc)
-        tl.store(out_ptr + t.to(tl.int64) * H + hh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
-    if PROFILE:
-        t2 = globaltimer()
-        _stamp_range(stamps_ptr, 1, t0, t1)
-        _stamp_range(stamps_ptr, 2, t1, t2)
-    _last_program_advances(state_ptr, epoch, 1, 3, tl.num_programs(0) * tl.num_programs(1))
+        _stamp_range(stamps_ptr, 0, t0, t1)
+    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 5, RANK, W, nprog)
+    HB: tl.constexpr = (H + BH - 1) // BH
+    if pid < T * HB:
+        if PROFILE:
+            t1 = globaltimer()
+        cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
+        for s in tl.static_range(W):
+            _wait_at_least(cnt + s, (epoch >> 1) + 1)
+        if PROFILE:
+            t2 = globaltimer()
+            _stamp_range(stamps_ptr, 1, t1, t2)
+        u = pid
+        while u < T * HB:
+            _reduce_slots(u // HB, u % HB, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE, H, K, BH)
+            u += nprog
+        if PROFILE:
+            _stamp_range(stamps_ptr, 2, t2, globaltimer())
+    _last_program_advances(state_ptr, epoch, 1, 3, nprog)
 
 
 class SymmMemTransport:
@@ -401,7 +441,7 @@ class SymmMemTransport:
     under CUDA-graph replay only the meta and the expert-major tokens are meaningful.
     """
 
-    stamps_layer_phases = True  # the receive and reduce kernels stamp postprocess / topk_reduce themselves
+    stamps_layer_phases = True  # the kernels stamp postprocess / topk_reduce themselves
 
     def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
@@ -466,12 +506,16 @@ class SymmMemTransport:
             recv=None,
         )
         self.out = torch.empty(M, H, dtype=L.dtype, device=dev)
+        self.ids = torch.empty(M, K, dtype=torch.int32, device=dev)  # the masked ids of the latest dispatch
+        self.invalid = torch.zeros((), dtype=torch.bool, device=dev)  # ... and whether any were masked
+        self._bad = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=dev)  # per program of the dispatch
         self._calls = 0
         self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
-        # Launch shapes.
-        self.n_put = min(M, 128)
+        self._pending = None  # combine's arguments, until topk_reduce launches the combine kernel
+        # Launch shapes. The grids are cooperative (every program resident): at most one per SM.
+        self.sms = min(torch.cuda.get_device_properties(dev).multi_processor_count, MAX_PROGRAMS)
         self.rows = 16
-        self.tokens_per_out = max(1, 16 // _next_pow2(K))  # 16 (token, slot) entries per combine program
+        self.tokens_per_out = max(1, 16 // _next_pow2(K))  # 16 (token, slot) entries per put unit
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)
 
@@ -497,6 +541,15 @@ class SymmMemTransport:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
+        return self.dispatch_unchecked(x, topk_ids, self.layout.num_experts, stamps)[0]
+
+    def dispatch_unchecked(self, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                           stamps: torch.Tensor | None) -> tuple[RecvBuffers, torch.Tensor, torch.Tensor]:
+        """:meth:`dispatch` for ids the host has not checked (under CUDA-graph capture it
+        cannot read them): ``topk_ids`` int32/int64, any values. The kernel treats ids outside
+        [-1, num_experts) as -1. Returns (receive buffers, the masked int32 ids [T, K], a
+        device bool: whether any id was masked); the last two are valid until the next
+        dispatch. One launch: ``_dispatch_kernel``."""
         L = self.layout
         T = x.shape[0]
         profile = stamps is not None
@@ -505,88 +558,74 @@ class SymmMemTransport:
             stamps[:, 1] = 0
         st = stamps if profile else self._no_stamps
         ng = L.num_groups if self.quant else 1
-        c = self._consts()
-        offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
-                   self.off_t, self.t_phase, self.off_dcnt)
-        _put_tokens[(self.n_put,)](
-            x, topk_ids, T, self._state, st, *self._peer_args, *offsets,
-            HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk), G=L.group_size if self.quant else 1,
-            NG=ng, NGP=_next_pow2(ng), QUANT=self.quant, PROFILE=profile, NPROG=self.n_put, num_warps=8, **c,
-        )
         m = self.meta
         tsc = self.token_scales if self.quant else self.tokens
-        grid = (L.experts_per_rank,)
-        _recv_tokens[grid](
-            self._buf, self._state, st, self.tokens, tsc,
-            m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range, m.row_index,
-            m.num_tokens, m.slot_row, *offsets,
-            MP=_next_pow2(L.max_m), KP=_next_pow2(L.topk), NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
+        offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
+                   self.off_t, self.t_phase, self.off_dcnt)
+        # Programs: one per token to put or local expert to receive, at most one per SM.
+        grid = max(1, min(self.sms, max(T, L.experts_per_rank)))
+        _dispatch_kernel[(grid,)](
+            x, topk_ids, self.ids, self._bad, self.invalid, T, num_experts, self._buf, self._state, st,
+            self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
+            m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets,
+            MP=_next_pow2(L.max_m), HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk),
+            G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
             ROWS=self.rows, CAPP=_next_pow2(L.capacity), BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
-            PROFILE=profile, num_warps=4, **c,
+            PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts(),
         )
         recv = self._recv_view(self._calls % 2)
         self._calls += 1
         self.meta.recv = recv
-        return recv
+        return recv, self.ids[:T], self.invalid
 
     def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta:
-        """Built by dispatch's receive kernel already."""
+        """Built by the dispatch kernel already."""
         return self.meta
 
     def fan_out(self, recv: RecvBuffers, meta: LowLatencyMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Done by dispatch's receive kernel already."""
+        """Done by the dispatch kernel already."""
         return self.tokens, self.token_scales
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out: torch.Tensor, meta: LowLatencyMeta, stamps: torch.Tensor | None) -> torch.Tensor:
-        """Send the expert outputs home. Returns None: the slot rows stay in symmetric memory and
-        :meth:`topk_reduce` (which waits for them) reads them in place."""
-        L = self.layout
-        profile = stamps is not None
-        if profile:
+        """Record what to send home; returns None. The put, the wait and the slot sum run as
+        one kernel, which needs the routing weights: :meth:`topk_reduce` launches it (and
+        must follow, on every rank, or the peers wait forever)."""
+        if stamps is not None:
             stamps[:, 0] = torch.iinfo(torch.int64).max
             stamps[:, 1] = 0
-        self._combine_stamps = stamps if profile else self._no_stamps
-        grid = (L.world_size, triton.cdiv(L.max_m, self.tokens_per_out))
-        _put_outputs[grid](
-            expert_out.contiguous(), meta.slot_row, meta.num_tokens, self._state, self._combine_stamps,
-            *self._peer_args, self.off_c, self.c_phase, self.off_ccnt,
-            KP=_next_pow2(L.topk), TB=self.tokens_per_out, BH=min(1024, _next_pow2(L.hidden)),
-            PROFILE=profile, num_warps=4, RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk,
-        )
+        self._pending = (expert_out.contiguous(), meta, stamps if stamps is not None else self._no_stamps)
         return None
 
     def topk_reduce(self, slot_rows, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
-        """Wait for the slot rows of this step and sum them (bitwise ``weighted_slot_sum``)."""
+        """The combine recorded by :meth:`combine` in one launch (``_combine_kernel``): send,
+        wait for this step's slot rows, sum them (bitwise ``weighted_slot_sum``)."""
         if slot_rows is not None:  # rows handed in by someone else: the plain torch reduce
             return topk_reduce(slot_rows, topk_ids, topk_weights, out_dtype)
+        if self._pending is None:
+            raise RuntimeError("topk_reduce(None, ...) needs a combine() before it")
+        expert_out, meta, st = self._pending
+        self._pending = None
         L = self.layout
         T = topk_ids.shape[0]
         if out_dtype != L.dtype:
             raise ValueError(f"out_dtype must be the layer's dtype {L.dtype}, got {out_dtype}")
-        ids = topk_ids.to(torch.int32).contiguous()
-        w = topk_weights.to(torch.float32).contiguous()
+        ids = topk_ids.contiguous()  # int32/int64 and float weights of any kind: cast in the kernel
+        w = topk_weights.contiguous()
         bh = min(1024, _next_pow2(L.hidden))
-        st = self._combine_stamps
-        _reduce_slots[(max(T, 1), triton.cdiv(L.hidden, bh))](
-            self._buf, ids, w, self.out, T, self._state, st, self.off_c, self.c_phase, self.off_ccnt,
-            W=L.world_size, H=L.hidden, K=L.topk, BH=bh,
-            PROFILE=st is not self._no_stamps, num_warps=4, enable_fp_fusion=False,
+        puts = L.world_size * triton.cdiv(L.max_m, self.tokens_per_out)
+        grid = max(1, min(self.sms, max(puts, T * triton.cdiv(L.hidden, bh))))
+        _combine_kernel[(grid,)](
+            expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
+            *self._peer_args, self.off_c, self.c_phase, self.off_ccnt,
+            RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
+            TB=self.tokens_per_out, BH_PUT=min(1024, _next_pow2(L.hidden)), BH=bh,
+            PROFILE=st is not self._no_stamps, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True,
         )
         return self.out[:T]
 
     # ------------------------------------------------------------------ misc
-    def mask_ids(self, topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int32 ids with ids outside [-1, E) set to -1, device bool: were there any), in one
-        launch: the layer's check of ids it cannot read on the host (under graph capture)."""
-        ids = topk_ids.contiguous()
-        out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
-        invalid = torch.empty((), dtype=torch.bool, device=ids.device)
-        _mask_ids[(1,)](ids, out, invalid, ids.numel(), num_experts, BLOCK=_next_pow2(max(ids.numel(), 16)),
-                        num_warps=4)
-        return out, invalid
-
     def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
         if stamps is not None:
             _stamp_now[(1,)](stamps, 2 * index + which)

@@ -52,9 +52,10 @@ class Transport(Protocol):
     # TOPK_REDUCE (e.g. the fan-out runs inside its receive kernel); the layer then leaves
     # those rows alone. Absent or False: the layer stamps them around the calls.
     # stamps_layer_phases: bool
-    # Optional method mask_ids(topk_ids, num_experts) -> (int32 ids, device bool): the ids with
-    # those outside [-1, E) set to -1, and whether there were any, for calls under CUDA-graph
-    # capture (the host cannot read the ids there). Absent: the layer does it with torch ops.
+    # Optional method dispatch_unchecked(x, topk_ids, num_experts, stamps) -> (RecvBuffers,
+    # int32 ids, device bool): dispatch with ids of any int dtype, those outside [-1, E) treated
+    # as -1 (returned masked), and whether there were any: what the layer needs under CUDA-graph
+    # capture, where the host cannot read the ids. Absent: the layer masks with torch ops.
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
         """Send token t once to every rank hosting one of its experts (quantized when
