@@ -70,6 +70,7 @@ import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
+from moekit.kernels.occupancy import resident_ctas_per_sm
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
 try:  # Triton is optional: the package imports without it, the kernels need it.
@@ -968,20 +969,6 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     return out.to(out_dtype)
 
 
-def _resident_ctas_per_sm(compiled, device: torch.device) -> int:
-    """How many CTAs of ``compiled`` (a Triton CompiledKernel) one SM holds at once, by its
-    shared memory, registers and threads, capped at PERSISTENT_CTAS_PER_SM."""
-    compiled._init_handles()  # loads the binary: fills n_regs
-    props = torch.cuda.get_device_properties(device)
-    warps = compiled.metadata.num_warps
-    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    by_smem = smem_sm // (compiled.metadata.shared + 1024)  # 1 KB per CTA is the system's
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated in units of 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp // warps
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-    return max(1, min(by_smem, by_regs, by_threads, PERSISTENT_CTAS_PER_SM))
-
-
 _PERSISTENT_GRIDS: dict[tuple, int] = {}  # _run_persistent's grid per binary
 
 
@@ -1026,7 +1013,8 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
             sync_type = torch.empty(1, dtype=torch.int32, device=device)
             compiled = _persistent_decode_kernel.warmup(*args(sync_type, f32, f32), grid=(1,), **launches[0],
                                                         **const)
-            grid = _PERSISTENT_GRIDS[key] = _sm_count(device) * _resident_ctas_per_sm(compiled, device)
+            grid = _PERSISTENT_GRIDS[key] = _sm_count(device) * resident_ctas_per_sm(compiled, device,
+                                                                                  PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = torch.zeros(1 + grid + tiles2, dtype=torch.int32, device=device)
     part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32

@@ -44,13 +44,18 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, topk_reduce
+from moekit.kernels.occupancy import resident_ctas_per_sm
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 MAX_PEERS = 8  # peer base pointers are kernel arguments P0..P7 (ranks of one NVLink domain)
-MAX_PROGRAMS = 1024  # the dispatch kernel gathers one flag per program (and grids are <= the SMs)
+MAX_PROGRAMS = 1024  # the dispatch kernel gathers one flag per program
+# Programs per SM of the cooperative grids, at most (fewer where registers or shared memory
+# do not allow it): the put loops keep more NVLink stores in flight with more programs.
+DISPATCH_CTAS_PER_SM = 2  # 8 warps each
+COMBINE_CTAS_PER_SM = 4  # 4 warps each
 _ALIGN = 256
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
 # program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5)
@@ -512,10 +517,12 @@ class SymmMemTransport:
         self._calls = 0
         self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
         self._pending = None  # combine's arguments, until topk_reduce launches the combine kernel
-        # Launch shapes. The grids are cooperative (every program resident): at most one per SM.
-        self.sms = min(torch.cuda.get_device_properties(dev).multi_processor_count, MAX_PROGRAMS)
+        # Launch shapes. The grids are cooperative (every program resident at once): as many
+        # programs as the units of work, at most what the SMs hold (``_cooperative_grid``).
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self._per_sm: dict[tuple, int] = {}
         self.rows = 16
-        self.tokens_per_out = max(1, 16 // _next_pow2(K))  # 16 (token, slot) entries per put unit
+        self.tokens_per_out = max(1, 8 // _next_pow2(K))  # 8 (token, slot) entries per put unit
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)
 
@@ -562,17 +569,18 @@ class SymmMemTransport:
         tsc = self.token_scales if self.quant else self.tokens
         offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
                    self.off_t, self.t_phase, self.off_dcnt)
-        # Programs: one per token to put or local expert to receive, at most one per SM.
-        grid = max(1, min(self.sms, max(T, L.experts_per_rank)))
-        _dispatch_kernel[(grid,)](
-            x, topk_ids, self.ids, self._bad, self.invalid, T, num_experts, self._buf, self._state, st,
-            self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
-            m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets,
-            MP=_next_pow2(L.max_m), HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk),
-            G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
-            ROWS=self.rows, CAPP=_next_pow2(L.capacity), BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
-            PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts(),
-        )
+        args = (x, topk_ids, self.ids, self._bad, self.invalid, T, num_experts, self._buf, self._state, st,
+                self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
+                m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets)
+        kwargs = dict(MP=_next_pow2(L.max_m), HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk),
+                      G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
+                      ROWS=self.rows, CAPP=_next_pow2(L.capacity),
+                      BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
+                      PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
+        # One program per token to put or local expert to receive.
+        grid = self._cooperative_grid(_dispatch_kernel, (profile, T), DISPATCH_CTAS_PER_SM,
+                                      max(T, L.experts_per_rank), args, kwargs)
+        _dispatch_kernel[(grid,)](*args, **kwargs)
         recv = self._recv_view(self._calls % 2)
         self._calls += 1
         self.meta.recv = recv
@@ -614,16 +622,30 @@ class SymmMemTransport:
         ids = topk_ids.contiguous()  # int32/int64 and float weights of any kind: cast in the kernel
         w = topk_weights.contiguous()
         bh = min(1024, _next_pow2(L.hidden))
+        profile = st is not self._no_stamps
+        args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
+                *self._peer_args, self.off_c, self.c_phase, self.off_ccnt)
+        kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
+                      TB=self.tokens_per_out, BH_PUT=min(1024, _next_pow2(L.hidden)), BH=bh, PROFILE=profile,
+                      num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
+        # Units: (source rank, tokens) to put, then (token, columns) to sum.
         puts = L.world_size * triton.cdiv(L.max_m, self.tokens_per_out)
-        grid = max(1, min(self.sms, max(puts, T * triton.cdiv(L.hidden, bh))))
-        _combine_kernel[(grid,)](
-            expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
-            *self._peer_args, self.off_c, self.c_phase, self.off_ccnt,
-            RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
-            TB=self.tokens_per_out, BH_PUT=min(1024, _next_pow2(L.hidden)), BH=bh,
-            PROFILE=st is not self._no_stamps, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True,
-        )
+        grid = self._cooperative_grid(_combine_kernel, (profile, T, ids.dtype, w.dtype), COMBINE_CTAS_PER_SM,
+                                      max(puts, T * triton.cdiv(L.hidden, bh)), args, kwargs)
+        _combine_kernel[(grid,)](*args, **kwargs)
         return self.out[:T]
+
+    def _cooperative_grid(self, kernel, key: tuple, cap: int, units: int, args: tuple, kwargs: dict) -> int:
+        """min(units, what the SMs hold of ``kernel`` compiled for these arguments, at most
+        ``cap`` per SM); the occupancy is looked up once per key (the arguments that select
+        a binary: Triton specializes T == 1 and T % 16 == 0)."""
+        T = key[1]
+        key = (kernel.fn.__name__, key[0], T == 1, T % 16 == 0, *key[2:])
+        per_sm = self._per_sm.get(key)
+        if per_sm is None:
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            per_sm = self._per_sm[key] = resident_ctas_per_sm(compiled, self.device, cap)
+        return max(1, min(units, self.sms * per_sm, MAX_PROGRAMS))
 
     # ------------------------------------------------------------------ misc
     def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:

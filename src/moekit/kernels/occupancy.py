@@ -1,0 +1,24 @@
+"""How many CTAs of a compiled Triton kernel one SM holds at once.
+
+Cooperative (persistent) kernels size their grid with it: every program must be resident at
+the same time, or a program spinning on a barrier or a signal could keep one that must arrive
+from ever running.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resident_ctas_per_sm(compiled, device: torch.device, cap: int) -> int:
+    """CTAs of ``compiled`` (a Triton CompiledKernel) resident per SM of ``device``, by its
+    shared memory, registers and threads; at least 1, at most ``cap``."""
+    compiled._init_handles()  # loads the binary: fills n_regs
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = smem_sm // (compiled.metadata.shared + 1024)  # 1 KB per CTA is the system's
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp // warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_smem, by_regs, by_threads, cap))
