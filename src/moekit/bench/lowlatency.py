@@ -8,7 +8,8 @@ routing is written into the buffers, outside the timed region. Each iteration ti
 dispatch and combine back to back (an event between them), so the two series and their sum
 come from the same iterations; the slowest rank's time per iteration is kept (a collective
 is done when its last rank is). Ranks are aligned once before the timed loop, then step
-after step runs as in a serving loop (steady state, see ``_time_pair``).
+after step runs as in a serving loop (steady state; on a GPU the iterations are queued ahead
+of the GPU in chunks, so the events time the GPU and not the host: see ``_time_pair``).
 
 * ``lowlatency`` — :class:`~moekit.ep.EPLowLatencyAllToAll` (``max_m`` = the largest T),
   FP8 by default; on a GPU dispatch and combine are each captured once in a CUDA graph and
@@ -130,19 +131,33 @@ def _aligner(on_cuda: bool):
     return align
 
 
+# On a GPU the timed loop runs in chunks of QUEUE_CHUNK iterations, each queued behind a
+# QUEUE_SLEEP_CYCLES-cycle sleep kernel (about 4 ms), so the host has queued the whole chunk
+# before the GPU starts it: the events then time the GPU's work, not the host's launch rate.
+QUEUE_CHUNK = 25
+QUEUE_SLEEP_CYCLES = 8_000_000
+
+
 def _time_pair(dispatch_fn, combine_fn, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> dict[str, list]:
     """Per iteration: write the next routing, time dispatch then combine (one event between).
 
     Steady state, as in a serving loop: the ranks are aligned once before the timed loop and
     then run step after step without a barrier; the waits inside the layer keep them in
     lockstep. (Aligning before every iteration instead adds the barrier's exit skew between
-    ranks, tens of µs on the device VM, to every dispatch.)"""
+    ranks, tens of µs on the device VM, to every dispatch.)
+
+    On a GPU the iterations are queued ahead (``QUEUE_CHUNK``): the device VM's host needs
+    ~10 µs per launch, more than a small step takes on the GPU, and an event recorded before
+    a launch the host has not made yet would time the host. A method that syncs with the host
+    inside its call (the eager all-to-all) is timed as before: the sleep only delays it."""
     align = _aligner(on_cuda)
     marks = []
     for i in range(warmup + iters):
         bank.write(i)
         if i == 0 or i == warmup:
             align()
+        if on_cuda and (i - warmup) % QUEUE_CHUNK == 0:
+            torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
         if on_cuda:
             e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             e[0].record()
