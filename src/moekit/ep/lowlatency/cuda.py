@@ -58,8 +58,9 @@ DISPATCH_CTAS_PER_SM = 2  # 8 warps each
 COMBINE_CTAS_PER_SM = 4  # 4 warps each
 _ALIGN = 256
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
-# program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5)
-_STATE_SIZE = 6
+# program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5), and
+# the dispatch kernel's grid barrier (6: arrivals, 7: generation)
+_STATE_SIZE = 8
 
 
 def _next_pow2(n: int) -> int:
@@ -219,16 +220,15 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
 
 
 @triton.jit
-def _recv_expert(e, own_ptr, phase, tok_ptr, tsc_ptr,
+def _recv_meta(e, own_ptr, phase,
                  counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr, range_ptr, row_index_ptr,
                  num_tokens_ptr, slot_row_ptr,
-                 OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
-                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                 QUANT: tl.constexpr, ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr):
-    """postprocess for local expert e (after the wait): number e's rows in (source, token)
-    order with a cumsum over the received ids, write the meta (scattered to the rows' places,
-    padding rows -1), then copy e's rows out of the receive buffer (the fan-out)."""
+                 OFF_I, I_PHASE, OFF_T, T_PHASE,
+                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, CAPP: tl.constexpr):
+    """postprocess for local expert e (after the wait), before the fan-out: number e's rows
+    in (source, token) order with a cumsum over the received ids and write the meta
+    (scattered to the rows' places, padding rows -1), ``counts`` and ``slot_row``."""
     CAP: tl.constexpr = W * M
     ids_base = _region(own_ptr, OFF_I, phase, I_PHASE, tl.int32)
     t_base = _region(own_ptr, OFF_T, phase, T_PHASE, tl.int32)
@@ -276,25 +276,68 @@ def _recv_expert(e, own_ptr, phase, tok_ptr, tsc_ptr,
     tl.store(slot_bits_ptr + row0 + pr, minus, mask=pad)
     tl.store(src_slot_ptr + row0 + pr, minus, mask=pad)
     tl.store(row_index_ptr + row0 + pr, minus.to(tl.int64), mask=pad)
-    # The barrier makes this CTA's row_index stores visible to all its threads.
-    tl.debug_barrier()
+
+
+@triton.jit
+def _copy_rows(u, counts_ptr, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr,
+               OFF_X, X_PHASE, OFF_S, S_PHASE,
+               W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr,
+               NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
+    """The fan-out's unit u: a block of ROWS rows of one local expert, copied (with their
+    scales) out of the receive buffer. The experts' blocks are numbered in expert order from
+    the counts the meta wrote (every program computes the same numbering), so the copy
+    spreads over the whole grid however few experts there are. Loads of what other programs
+    wrote in this kernel go through L2 (.cg)."""
+    CAP: tl.constexpr = W * M
+    ee = tl.arange(0, ELP)
+    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
+    blocks = (cnts + ROWS - 1) // ROWS
+    ends = tl.cumsum(blocks, 0)
+    e = tl.sum((ends <= u).to(tl.int32), 0)
+    is_e = ee == e
+    r0 = (u - tl.sum(tl.where(is_e, ends - blocks, 0), 0)) * ROWS
+    rows = r0 + tl.arange(0, ROWS)
+    valid = rows < tl.sum(tl.where(is_e, cnts, 0), 0)
+    row0 = e * CAP
+    src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=0, cache_modifier=".cg")
+    dst_row = (row0 + rows).to(tl.int64)
     x_base = _region(own_ptr, OFF_X, phase, X_PHASE, tok_ptr.dtype.element_ty)
-    for r0 in range(0, count, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        valid = rows < count
-        src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=0)
-        dst_row = (row0 + rows).to(tl.int64)
-        for h0 in tl.static_range(0, H, BH):
-            hh = h0 + tl.arange(0, BH)
-            m = valid[:, None] & (hh < H)[None, :]
-            v = tl.load(x_base + src_row[:, None] * H + hh[None, :], mask=m)
-            tl.store(tok_ptr + dst_row[:, None] * H + hh[None, :], v, mask=m)
-        if QUANT:
-            s_base = _region(own_ptr, OFF_S, phase, S_PHASE, tl.float32)
-            gg = tl.arange(0, NGP)
-            m = valid[:, None] & (gg < NG)[None, :]
-            v = tl.load(s_base + src_row[:, None] * NG + gg[None, :], mask=m)
-            tl.store(tsc_ptr + dst_row[:, None] * NG + gg[None, :], v, mask=m)
+    for h0 in tl.static_range(0, H, BH):
+        hh = h0 + tl.arange(0, BH)
+        m = valid[:, None] & (hh < H)[None, :]
+        v = tl.load(x_base + src_row[:, None] * H + hh[None, :], mask=m, cache_modifier=".cg")
+        tl.store(tok_ptr + dst_row[:, None] * H + hh[None, :], v, mask=m)
+    if QUANT:
+        s_base = _region(own_ptr, OFF_S, phase, S_PHASE, tl.float32)
+        gg = tl.arange(0, NGP)
+        m = valid[:, None] & (gg < NG)[None, :]
+        v = tl.load(s_base + src_row[:, None] * NG + gg[None, :], mask=m, cache_modifier=".cg")
+        tl.store(tsc_ptr + dst_row[:, None] * NG + gg[None, :], v, mask=m)
+
+
+@triton.jit
+def _copy_units(counts_ptr, EL: tl.constexpr, ELP: tl.constexpr, ROWS: tl.constexpr):
+    """How many fan-out units (``_copy_rows``) this step has."""
+    ee = tl.arange(0, ELP)
+    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
+    return tl.sum((cnts + ROWS - 1) // ROWS, 0)
+
+
+@triton.jit
+def _grid_barrier(state_ptr, COUNT: tl.constexpr, GEN: tl.constexpr, nprog):
+    """Every program of the (cooperative) grid waits here for all the others. Sense by
+    generation: the last to arrive resets the count and bumps the generation the others
+    watch, so the state is ready for the next use. Release on arrival, acquire on leaving."""
+    tl.debug_barrier()
+    gen = tl.atomic_add(state_ptr + GEN, 0, sem="acquire", scope="gpu")
+    if tl.atomic_add(state_ptr + COUNT, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+        tl.store(state_ptr + COUNT, 0)
+        tl.atomic_add(state_ptr + GEN, 1, sem="release", scope="gpu")
+    else:
+        now = gen
+        while now == gen:
+            now = tl.atomic_add(state_ptr + GEN, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -306,7 +349,8 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
                      RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
                      HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                      G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr,
-                     ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr, PROFILE: tl.constexpr):
+                     ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr, ELP: tl.constexpr,
+                     PROFILE: tl.constexpr):
     """The whole dispatch in one cooperative launch (every program resident, so a program
     spinning in the wait cannot keep a sender off the GPU): quant_and_put (tokens pid,
     pid + grid, ...), count_put (the last program to finish its puts raises this source's
@@ -341,11 +385,18 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         tl.store(invalid_ptr, tl.max(flags, 0) > 0)
     e = pid
     while e < EL:
-        _recv_expert(e, own_ptr, phase, tok_ptr, tsc_ptr, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr,
-                     slot_bits_ptr, range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr,
-                     OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                     RANK, W, M, MP, H, K, KP, EL, NG, NGP, QUANT, ROWS, CAPP, BH)
+        _recv_meta(e, own_ptr, phase, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
+                   range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr, OFF_I, I_PHASE, OFF_T, T_PHASE,
+                   RANK, W, M, MP, K, KP, EL, CAPP)
         e += nprog
+    # The fan-out reads the meta of every expert: after all of it is written.
+    _grid_barrier(state_ptr, 6, 7, nprog)
+    u = pid
+    units = _copy_units(counts_ptr, EL, ELP, ROWS)
+    while u < units:
+        _copy_rows(u, counts_ptr, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE, OFF_S, S_PHASE,
+                   W, M, H, EL, ELP, NG, NGP, QUANT, ROWS, BH)
+        u += nprog
     if PROFILE:
         _stamp_range(stamps_ptr, 3, t3, globaltimer())
     _last_program_advances(state_ptr, epoch, 0, 2, nprog)
@@ -521,7 +572,7 @@ class SymmMemTransport:
         # programs as the units of work, at most what the SMs hold (``_cooperative_grid``).
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._per_sm: dict[tuple, int] = {}
-        self.rows = 16
+        self.rows = 8  # rows per fan-out unit
         self.tokens_per_out = max(1, 8 // _next_pow2(K))  # 8 (token, slot) entries per put unit
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)
@@ -574,7 +625,7 @@ class SymmMemTransport:
                 m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets)
         kwargs = dict(MP=_next_pow2(L.max_m), HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk),
                       G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
-                      ROWS=self.rows, CAPP=_next_pow2(L.capacity),
+                      ROWS=self.rows, CAPP=_next_pow2(L.capacity), ELP=_next_pow2(L.experts_per_rank),
                       BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
                       PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
         # One program per token to put or local expert to receive.
