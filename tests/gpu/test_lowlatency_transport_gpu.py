@@ -215,6 +215,9 @@ CONFIGS = {
     "small-fp8": dict(max_m=16, hidden=256, topk=4, E=16, fp8=True, checked_steps=24, fast_steps=500, graph_steps=100),
     "dsv3-fp8": dict(max_m=128, hidden=7168, topk=8, E=256, fp8=True, checked_steps=8, fast_steps=200, graph_steps=100),
     "dsv3-bf16": dict(max_m=128, hidden=7168, topk=8, E=256, fp8=False, checked_steps=4, fast_steps=100, graph_steps=50),
+    # two experts per rank, up to 256 rows each: the fan-out spreads each expert over many programs
+    "few-experts-fp8": dict(max_m=128, hidden=2048, topk=2, E=4, fp8=True, checked_steps=8, fast_steps=200,
+                            graph_steps=100),
 }
 
 
