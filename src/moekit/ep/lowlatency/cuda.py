@@ -56,6 +56,12 @@ MAX_PROGRAMS = 1024  # the dispatch kernel gathers one flag per program
 # do not allow it): the put loops keep more NVLink stores in flight with more programs.
 DISPATCH_CTAS_PER_SM = 2  # 8 warps each
 COMBINE_CTAS_PER_SM = 4  # 4 warps each
+# The fan-out copy runs in each expert's own program unless the grid has at least this many
+# programs per local expert; then it is split into 8-row blocks over the whole grid, after a
+# grid barrier (the barrier costs ~4 µs, which one program per expert copying ~8 rows
+# (deepseek-v3, 128 local experts) does not win back; 16 local experts copying 256 rows each
+# win 30 µs: docs/lowlatency.md).
+SPLIT_COPY_BELOW = 4
 _ALIGN = 256
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
 # program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5), and
@@ -276,29 +282,19 @@ def _recv_meta(e, own_ptr, phase,
     tl.store(slot_bits_ptr + row0 + pr, minus, mask=pad)
     tl.store(src_slot_ptr + row0 + pr, minus, mask=pad)
     tl.store(row_index_ptr + row0 + pr, minus.to(tl.int64), mask=pad)
+    return count
 
 
 @triton.jit
-def _copy_rows(u, counts_ptr, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr,
-               OFF_X, X_PHASE, OFF_S, S_PHASE,
-               W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr,
-               NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
-    """The fan-out's unit u: a block of ROWS rows of one local expert, copied (with their
-    scales) out of the receive buffer. The experts' blocks are numbered in expert order from
-    the counts the meta wrote (every program computes the same numbering), so the copy
-    spreads over the whole grid however few experts there are. Loads of what other programs
-    wrote in this kernel go through L2 (.cg)."""
-    CAP: tl.constexpr = W * M
-    ee = tl.arange(0, ELP)
-    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
-    blocks = (cnts + ROWS - 1) // ROWS
-    ends = tl.cumsum(blocks, 0)
-    e = tl.sum((ends <= u).to(tl.int32), 0)
-    is_e = ee == e
-    r0 = (u - tl.sum(tl.where(is_e, ends - blocks, 0), 0)) * ROWS
+def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE, OFF_S, S_PHASE,
+                W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                QUANT: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
+    """The fan-out of rows [r0, r0 + ROWS) of local expert e (of its ``count``): each copied,
+    with its scales, out of the receive buffer. What other programs of the kernel wrote is
+    loaded through L2 (.cg)."""
     rows = r0 + tl.arange(0, ROWS)
-    valid = rows < tl.sum(tl.where(is_e, cnts, 0), 0)
-    row0 = e * CAP
+    valid = rows < count
+    row0 = e * (W * M)
     src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=0, cache_modifier=".cg")
     dst_row = (row0 + rows).to(tl.int64)
     x_base = _region(own_ptr, OFF_X, phase, X_PHASE, tok_ptr.dtype.element_ty)
@@ -316,8 +312,24 @@ def _copy_rows(u, counts_ptr, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr,
 
 
 @triton.jit
+def _copy_unit(u, counts_ptr, EL: tl.constexpr, ELP: tl.constexpr, ROWS: tl.constexpr):
+    """Fan-out unit u of the split copy: (expert, first row, expert's count). The experts'
+    ROWS-row blocks are numbered in expert order from the counts the meta wrote (every program
+    computes the same numbering), so the copy spreads over the whole grid however few experts
+    there are."""
+    ee = tl.arange(0, ELP)
+    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
+    blocks = (cnts + ROWS - 1) // ROWS
+    ends = tl.cumsum(blocks, 0)
+    e = tl.sum((ends <= u).to(tl.int32), 0)
+    is_e = ee == e
+    r0 = (u - tl.sum(tl.where(is_e, ends - blocks, 0), 0)) * ROWS
+    return e, r0, tl.sum(tl.where(is_e, cnts, 0), 0)
+
+
+@triton.jit
 def _copy_units(counts_ptr, EL: tl.constexpr, ELP: tl.constexpr, ROWS: tl.constexpr):
-    """How many fan-out units (``_copy_rows``) this step has."""
+    """How many fan-out units (``_copy_unit``) the split copy has this step."""
     ee = tl.arange(0, ELP)
     cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
     return tl.sum((cnts + ROWS - 1) // ROWS, 0)
@@ -350,7 +362,7 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
                      HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                      G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr,
                      ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr, ELP: tl.constexpr,
-                     PROFILE: tl.constexpr):
+                     SPLIT_COPY: tl.constexpr, PROFILE: tl.constexpr):
     """The whole dispatch in one cooperative launch (every program resident, so a program
     spinning in the wait cannot keep a sender off the GPU): quant_and_put (tokens pid,
     pid + grid, ...), count_put (the last program to finish its puts raises this source's
@@ -385,18 +397,26 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         tl.store(invalid_ptr, tl.max(flags, 0) > 0)
     e = pid
     while e < EL:
-        _recv_meta(e, own_ptr, phase, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
-                   range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                   RANK, W, M, MP, K, KP, EL, CAPP)
+        count = _recv_meta(e, own_ptr, phase, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
+                           range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr, OFF_I, I_PHASE, OFF_T, T_PHASE,
+                           RANK, W, M, MP, K, KP, EL, CAPP)
+        if not SPLIT_COPY:  # the expert's program copies its rows (the meta is this CTA's own writes)
+            tl.debug_barrier()
+            for r0 in range(0, count, ROWS):
+                _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE,
+                            OFF_S, S_PHASE, W, M, H, NG, NGP, QUANT, ROWS, BH)
         e += nprog
-    # The fan-out reads the meta of every expert: after all of it is written.
-    _grid_barrier(state_ptr, 6, 7, nprog)
-    u = pid
-    units = _copy_units(counts_ptr, EL, ELP, ROWS)
-    while u < units:
-        _copy_rows(u, counts_ptr, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE, OFF_S, S_PHASE,
-                   W, M, H, EL, ELP, NG, NGP, QUANT, ROWS, BH)
-        u += nprog
+    if SPLIT_COPY:
+        # Few experts for the grid: every program copies row blocks of any expert, which
+        # needs every expert's meta: after a grid barrier.
+        _grid_barrier(state_ptr, 6, 7, nprog)
+        u = pid
+        units = _copy_units(counts_ptr, EL, ELP, ROWS)
+        while u < units:
+            ue, r0, count = _copy_unit(u, counts_ptr, EL, ELP, ROWS)
+            _copy_block(ue, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE,
+                        OFF_S, S_PHASE, W, M, H, NG, NGP, QUANT, ROWS, BH)
+            u += nprog
     if PROFILE:
         _stamp_range(stamps_ptr, 3, t3, globaltimer())
     _last_program_advances(state_ptr, epoch, 0, 2, nprog)
@@ -628,9 +648,13 @@ class SymmMemTransport:
                       ROWS=self.rows, CAPP=_next_pow2(L.capacity), ELP=_next_pow2(L.experts_per_rank),
                       BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
                       PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
-        # One program per token to put or local expert to receive.
-        grid = self._cooperative_grid(_dispatch_kernel, (profile, T), DISPATCH_CTAS_PER_SM,
-                                      max(T, L.experts_per_rank), args, kwargs)
+        # One program per token to put or local expert to receive. With few experts for the
+        # grid, the fan-out copy is split over all programs (SPLIT_COPY; a grid barrier first).
+        units = max(T, L.experts_per_rank)
+        split = L.experts_per_rank * SPLIT_COPY_BELOW <= min(units, self.sms * DISPATCH_CTAS_PER_SM)
+        kwargs["SPLIT_COPY"] = split
+        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split), DISPATCH_CTAS_PER_SM, units, args,
+                                      kwargs)
         _dispatch_kernel[(grid,)](*args, **kwargs)
         recv = self._recv_view(self._calls % 2)
         self._calls += 1
