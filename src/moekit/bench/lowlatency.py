@@ -289,15 +289,16 @@ def _count_check(layer, bank: _Bank, E: int) -> bool:
 PROFILED_STEPS = 200
 
 
-def _profiled_run(rank: int, cfg: LowLatencyBenchConfig, device, H: int, K: int, E: int) -> dict:
-    """Profiled steps at T = min(128, max_m): Perfetto traces into ``trace_dir`` and the median
-    of each phase and of the gaps between phases (µs).
+def _profiled_run(rank: int, cfg: LowLatencyBenchConfig, device, H: int, K: int, E: int,
+                  tokens: int | None = None) -> dict:
+    """Profiled steps at T = ``tokens`` (default min(128, max_m)): Perfetto traces into
+    ``trace_dir`` and the median of each phase and of the gaps between phases (µs).
 
     On a GPU the step (dispatch + combine) runs as the timed runs do, as a CUDA graph replayed
     with the ranks in step, and the stamps of each replay are kept
     (``EPLowLatencyAllToAll.snapshot_stamps``); on the CPU the steps run eagerly. The first
     tenth of the steps are warm-up and left out of the medians."""
-    T = min(GOAL_TOKENS, cfg.max_m)
+    T = min(GOAL_TOKENS, cfg.max_m) if tokens is None else tokens
     on_cuda = device.type == "cuda"
     layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E, online_fp8=cfg.online_fp8, dtype=torch.bfloat16, profile=True)
     bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
@@ -472,8 +473,9 @@ def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "b
     params = asdict(cfg) | dict(
         hidden=H, top_k=K, num_experts=E, max_m=cfg.max_m, backend=backend, device=main[0]["device"],
         cuda_graphs=backend == "nccl", dtype="bfloat16", wire="fp8 e4m3 + float32 scales" if cfg.online_fp8 else
-        "bfloat16", timing="slowest rank per iteration; ranks aligned before each iteration; dispatch and combine "
-                           "timed back to back in one iteration; routing written outside the timed region",
+        "bfloat16", timing="slowest rank per iteration; ranks aligned once before the timed loop, then steady state "
+                           "(GPU: iterations queued ahead in chunks); dispatch and combine timed back to back in "
+                           "one iteration; routing written outside the timed region",
         peer_bandwidth_gbps=bandwidth)
     record = {"params": params, "results": results}
     if out_dir is not None:

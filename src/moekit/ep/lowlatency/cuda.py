@@ -7,22 +7,24 @@ counters. Kernels store straight into the peers' regions; no host sync, no NCCL,
 dispatch + combine can be captured in one CUDA graph and replayed.
 
 Two kernels per step, each one cooperative launch (every program resident at once, so a
-program spinning on a signal can never keep one that must send from running; at most one
-program per SM):
+program spinning on a signal can never keep one that must send from running; the grids are
+sized from the compiled kernels' occupancy):
 
-* ``_dispatch_kernel``: quant_and_put (tokens pid, pid + grid, ...: mask ids outside
-  [-1, E) to -1, quantize the token to e4m3 with one float32 scale per 128 columns when
-  ``online_fp8``, store it ONCE into every rank that hosts one of its experts, its ids row
-  and T into every rank); count_put (the last program to finish its puts adds 1 to this
-  source's arrival counter on every rank, release at system scope); wait (every source's
-  counter reached this step's value); postprocess (local experts pid, pid + grid, ...: the
-  expert-major meta from the received ids with a cumsum, then the fan-out copy of the
-  expert's rows out of the receive buffer).
-* ``_combine_kernel``: copy_and_put (units of (source rank, 2 tokens): each expert output
-  row this rank serves goes to its source rank's slot rows ``[token, k]``, once per slot),
-  the arrival signal as above, recv_wait, then topk_reduce (units of (token, 1024
-  columns)): the K-slot float32 sum in slot order, compiled without FMA contraction so it is
-  bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
+* ``_dispatch_kernel``: quant_and_put (units (token, column share) pid, pid + grid, ...: mask
+  ids outside [-1, E) to -1, quantize the share to e4m3 with one float32 scale per 128
+  columns when ``online_fp8``, store it ONCE into every rank that hosts one of the token's
+  experts, its ids row and T into every rank; at small T a token is split into up to 8
+  shares so idle programs help); count_put (the last program to finish its puts adds 1 to
+  this source's arrival counter on every rank, release at system scope); wait (every
+  source's counter reached this step's value); postprocess (local experts pid, pid + grid,
+  ...: the expert-major meta from the received ids with a cumsum, then the fan-out copy of
+  the expert's rows out of the receive buffer).
+* ``_combine_kernel``: copy_and_put (units of (source rank, token, column share), as many
+  as each source sent tokens: each expert output row this rank serves goes to its source
+  rank's slot rows ``[token, k]``, once per slot), the arrival signal as above, recv_wait,
+  then topk_reduce (units of (token, 1024 columns)): the K-slot float32 sum in slot order,
+  compiled without FMA contraction so it is bitwise equal to
+  :func:`moekit.ep.dispatcher.weighted_slot_sum`.
 
 Merging the four kernels of b2ba722 (put and receive for each direction) into two removed
 the launch gaps between them under graph replay (docs/lowlatency.md has the numbers).
@@ -62,6 +64,12 @@ COMBINE_CTAS_PER_SM = 4  # 4 warps each
 # (deepseek-v3, 128 local experts) does not win back; 16 local experts copying 256 rows each
 # win 30 µs: docs/lowlatency.md).
 SPLIT_COPY_BELOW = 4
+# Programs per token in the put loops, each storing a contiguous share of the token's
+# columns (whole FP8 groups), at most this many, and only as far as the shares fit the grid
+# the other part of the kernel needs anyway (``_put_splits``): one program quantizing and
+# storing a whole 7168-column token took 3.5 µs of a 1-token dispatch (docs/lowlatency.md).
+MAX_DISPATCH_PUT_SPLIT = 8
+MAX_COMBINE_PUT_SPLIT = 4
 _ALIGN = 256
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
 # program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5), and
@@ -75,6 +83,23 @@ def _next_pow2(n: int) -> int:
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
     return -(-n // m) * m
+
+
+def _dispatch_put_split(T: int, experts_per_rank: int, pieces: int) -> int:
+    """Shares per token in the dispatch put: as many as the receive side (one program per
+    local expert) leaves programs for at this T, at most MAX_DISPATCH_PUT_SPLIT and
+    ``pieces`` (the token's FP8 groups or 128-column blocks)."""
+    return max(1, min(MAX_DISPATCH_PUT_SPLIT, experts_per_rank // max(T, 1), pieces))
+
+
+def _combine_put_split(put_units: int, blocks: int, grid_cap: int) -> int:
+    """Shares per (source, tokens) unit in the combine put: the largest power of two up to
+    MAX_COMBINE_PUT_SPLIT and ``blocks`` (column blocks) whose units still fit ``grid_cap``
+    programs at once."""
+    split = 1
+    while split * 2 <= min(MAX_COMBINE_PUT_SPLIT, blocks) and put_units * split * 2 <= grid_cap:
+        split *= 2
+    return split
 
 
 @triton.jit
@@ -123,11 +148,17 @@ def _region(base, offset, phase, phase_bytes, dtype: tl.constexpr):
 
 
 @triton.jit
-def _wait_at_least(ptr, expected):
-    """Spin until the int64 at ptr (raised by peers) is >= expected, with acquire semantics."""
-    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    while v < expected:
-        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+def _wait_all_sources(own_ptr, OFF_CNT, phase, epoch, W: tl.constexpr):
+    """Spin until every source's arrival counter of this phase (raised by the peers' last
+    programs) reached this step's value, with acquire semantics at system scope: use u of a
+    phase waits for u, which no earlier step can produce. (Polling with ld.acquire.sys
+    instead of an atomic measured the same or slower: docs/lowlatency.md.)"""
+    cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
+    expected = (epoch >> 1) + 1
+    for s in tl.static_range(W):
+        v = tl.atomic_add(cnt + s, 0, sem="acquire", scope="sys")
+        while v < expected:
+            v = tl.atomic_add(cnt + s, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
@@ -174,49 +205,61 @@ def _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7,
 def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
                 P0, P1, P2, P3, P4, P5, P6, P7,
                 OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+                RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HSP: tl.constexpr,
                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
-                G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr):
-    """quant_and_put for tokens pid, pid + nprog, ...: mask the token's ids (those outside
-    [-1, NE) become -1; the int32 row goes to ``ids_out``), quantize it, store it once into
-    every rank hosting one of its experts and its ids row into every rank; program 0 also
-    stores T. Returns 1 if this program masked an id, else 0."""
+                G: tl.constexpr, NG: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """quant_and_put for units pid, pid + nprog, ... of (token, column share): SPLIT units per
+    token, each a contiguous share of its columns (whole groups when quantizing; HSP / NGSP:
+    the share's columns / groups, rounded up to a power of two). A unit masks the token's ids
+    (those outside [-1, NE) become -1), quantizes its share and stores it once into every rank
+    hosting one of the token's experts; share 0 also stores the int32 ids row into
+    ``ids_out`` and into every rank; program 0 stores T. Returns 1 if this program masked an
+    id, else 0."""
     ks = tl.arange(0, KP)
     k_ok = ks < K
     if QUANT:
-        grp = tl.arange(0, NGP)
-        offs = grp[:, None] * G + tl.arange(0, G)[None, :]  # [NGP, G]: group g, column c
-        x_ok = (grp < NG)[:, None] & (tl.arange(0, G) < G)[None, :]
+        NGS: tl.constexpr = (NG + SPLIT - 1) // SPLIT
+        grp = tl.arange(0, NGSP)
     else:
-        offs = tl.arange(0, HP)
-        x_ok = offs < H
+        HS: tl.constexpr = (H + SPLIT - 1) // SPLIT
+        cols = tl.arange(0, HSP)
     bad_any = tl.zeros((KP,), tl.int32)
-    for t in range(pid, T, nprog):
+    for u in range(pid, T * SPLIT, nprog):
+        t = u // SPLIT
+        part = u % SPLIT
         raw = tl.load(ids_ptr + t * K + ks, mask=k_ok, other=-1)
         bad = k_ok & ((raw < -1) | (raw >= NE))
         bad_any = bad_any | bad.to(tl.int32)
         ids = tl.where(bad, -1, raw).to(tl.int32)
-        tl.store(ids_out_ptr + t * K + ks, ids, mask=k_ok)
+        first = k_ok & (part == 0)
+        tl.store(ids_out_ptr + t * K + ks, ids, mask=first)
         row = (RANK * M + t).to(tl.int64)
         if QUANT:
+            g = part * NGS + grp  # this share's groups
+            g_ok = (grp < NGS) & (g < NG)
+            offs = g[:, None] * G + tl.arange(0, G)[None, :]  # [NGSP, G]: group, column
+            x_ok = g_ok[:, None] & (tl.arange(0, G) < G)[None, :]
             xv = tl.load(x_ptr + t.to(tl.int64) * H + offs, mask=x_ok, other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-4)
             scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             q = tl.math.div_rn(xv, scale[:, None])
             payload = tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv)
         else:
+            offs = part * HS + cols
+            x_ok = (cols < HS) & (offs < H)
             payload = tl.load(x_ptr + t.to(tl.int64) * H + offs, mask=x_ok)
         for d in tl.static_range(W):
             base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
             i_dst = _region(base, OFF_I, phase, I_PHASE, tl.int32)
-            tl.store(i_dst + row * K + ks, ids, mask=k_ok)
+            tl.store(i_dst + row * K + ks, ids, mask=first)
             hits = tl.sum(((ids >= d * EL) & (ids < (d + 1) * EL)).to(tl.int32), axis=0)
             if hits > 0:
                 x_dst = _region(base, OFF_X, phase, X_PHASE, payload.dtype)
                 tl.store(x_dst + row * H + offs, payload, mask=x_ok)
                 if QUANT:
                     s_dst = _region(base, OFF_S, phase, S_PHASE, tl.float32)
-                    tl.store(s_dst + row * NG + grp, scale, mask=grp < NG)
+                    tl.store(s_dst + row * NG + g, scale, mask=g_ok)
     if pid == 0:
         for d in tl.static_range(W):
             base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
@@ -290,8 +333,11 @@ def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, O
                 W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                 QUANT: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
     """The fan-out of rows [r0, r0 + ROWS) of local expert e (of its ``count``): each copied,
-    with its scales, out of the receive buffer. What other programs of the kernel wrote is
-    loaded through L2 (.cg)."""
+    with its scales, out of the receive buffer, BH columns at a time. What other programs of
+    the kernel wrote is loaded through L2 (.cg). (Each column block's load waits for the
+    previous block's store: the compiler cannot tell they do not alias. Loading the rows
+    whole, as one [rows, next_pow2(H)] register tile, made deepseek-v3's dispatch faster at
+    T = 8 but 1.5 µs slower at T = 128 and 256: docs/lowlatency.md.)"""
     rows = r0 + tl.arange(0, ROWS)
     valid = rows < count
     row0 = e * (W * M)
@@ -312,27 +358,25 @@ def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, O
 
 
 @triton.jit
-def _copy_unit(u, counts_ptr, EL: tl.constexpr, ELP: tl.constexpr, ROWS: tl.constexpr):
+def _expert_counts(counts_ptr, EL: tl.constexpr, ELP: tl.constexpr):
+    """The local experts' row counts the meta wrote (other programs' writes: through L2)."""
+    ee = tl.arange(0, ELP)
+    return tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _copy_unit(u, cnts, ELP: tl.constexpr, ROWS: tl.constexpr):
     """Fan-out unit u of the split copy: (expert, first row, expert's count). The experts'
-    ROWS-row blocks are numbered in expert order from the counts the meta wrote (every program
+    ROWS-row blocks are numbered in expert order from the counts ``cnts`` (every program
     computes the same numbering), so the copy spreads over the whole grid however few experts
     there are."""
     ee = tl.arange(0, ELP)
-    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
     blocks = (cnts + ROWS - 1) // ROWS
     ends = tl.cumsum(blocks, 0)
     e = tl.sum((ends <= u).to(tl.int32), 0)
     is_e = ee == e
     r0 = (u - tl.sum(tl.where(is_e, ends - blocks, 0), 0)) * ROWS
     return e, r0, tl.sum(tl.where(is_e, cnts, 0), 0)
-
-
-@triton.jit
-def _copy_units(counts_ptr, EL: tl.constexpr, ELP: tl.constexpr, ROWS: tl.constexpr):
-    """How many fan-out units (``_copy_unit``) the split copy has this step."""
-    ee = tl.arange(0, ELP)
-    cnts = tl.load(counts_ptr + ee, mask=ee < EL, other=0, cache_modifier=".cg")
-    return tl.sum((cnts + ROWS - 1) // ROWS, 0)
 
 
 @triton.jit
@@ -359,10 +403,10 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
                      P0, P1, P2, P3, P4, P5, P6, P7,
                      OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
                      RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
-                     HP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
-                     G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr,
+                     HSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
+                     G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
                      ROWS: tl.constexpr, CAPP: tl.constexpr, BH: tl.constexpr, ELP: tl.constexpr,
-                     SPLIT_COPY: tl.constexpr, PROFILE: tl.constexpr):
+                     SPLIT_COPY: tl.constexpr, PUT_SPLIT: tl.constexpr, PROFILE: tl.constexpr):
     """The whole dispatch in one cooperative launch (every program resident, so a program
     spinning in the wait cannot keep a sender off the GPU): quant_and_put (tokens pid,
     pid + grid, ...), count_put (the last program to finish its puts raises this source's
@@ -376,7 +420,7 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         t0 = globaltimer()
     bad = _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase, P0, P1, P2, P3, P4, P5, P6, P7,
                       OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                      RANK, W, M, H, HP, K, KP, EL, G, NG, NGP, QUANT)
+                      RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT)
     tl.store(bad_ptr + pid, bad)
     if PROFILE:
         t1 = globaltimer()
@@ -386,9 +430,7 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         t2 = globaltimer()
         _stamp_range(stamps_ptr, 1, t1, t2)
     if pid < EL or pid == 0:
-        cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
-        for s in tl.static_range(W):
-            _wait_at_least(cnt + s, (epoch >> 1) + 1)
+        _wait_all_sources(own_ptr, OFF_CNT, phase, epoch, W)
     if PROFILE:
         t3 = globaltimer()
         _stamp_range(stamps_ptr, 2, t2, t3)
@@ -410,10 +452,11 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         # Few experts for the grid: every program copies row blocks of any expert, which
         # needs every expert's meta: after a grid barrier.
         _grid_barrier(state_ptr, 6, 7, nprog)
+        cnts = _expert_counts(counts_ptr, EL, ELP)
+        units = tl.sum((cnts + ROWS - 1) // ROWS, 0)
         u = pid
-        units = _copy_units(counts_ptr, EL, ELP, ROWS)
         while u < units:
-            ue, r0, count = _copy_unit(u, counts_ptr, EL, ELP, ROWS)
+            ue, r0, count = _copy_unit(u, cnts, ELP, ROWS)
             _copy_block(ue, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE,
                         OFF_S, S_PHASE, W, M, H, NG, NGP, QUANT, ROWS, BH)
             u += nprog
@@ -423,27 +466,26 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
 
 
 @triton.jit
-def _put_outputs(d, b, eo_ptr, slot_row_ptr, num_tokens_ptr, phase, P0, P1, P2, P3, P4, P5, P6, P7,
-                 OFF_C, C_PHASE, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr):
-    """copy_and_put for source rank d's tokens [b*TB, (b+1)*TB): each slot this rank serves
-    (``slot_row``) gets its expert output row, stored into rank d's slot row [t, k]."""
+def _put_outputs(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, P0, P1, P2, P3, P4, P5, P6, P7,
+                 OFF_C, C_PHASE, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 TB: tl.constexpr, BH: tl.constexpr, SPLIT: tl.constexpr):
+    """copy_and_put for source rank d's tokens [b*TB, (b+1)*TB) (of its ``n_tok``), column
+    blocks part, part + SPLIT, ... of BH columns: each slot this rank serves (``slot_row``)
+    gets its expert output row, stored into rank d's slot row [t, k]."""
     i = tl.arange(0, TB * KP)
     t = b * TB + i // KP
     k = i % KP
-    live = (k < K) & (t < tl.load(num_tokens_ptr + d))
+    live = (k < K) & (t < n_tok)
     src = tl.load(slot_row_ptr + (d * M + t) * K + k, mask=live, other=-1)
     ok = src >= 0
     slot = (t * K + k).to(tl.int64)
-    for dd in tl.static_range(W):
-        if d == dd:
-            c_dst = _region(_peer(dd, P0, P1, P2, P3, P4, P5, P6, P7), OFF_C, phase, C_PHASE,
-                            eo_ptr.dtype.element_ty)
-            for h0 in tl.static_range(0, H, BH):
-                hh = h0 + tl.arange(0, BH)
-                m = ok[:, None] & (hh < H)[None, :]
-                v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=m)
-                tl.store(c_dst + slot[:, None] * H + hh[None, :], v, mask=m)
+    c_dst = _region(_peer(d, P0, P1, P2, P3, P4, P5, P6, P7), OFF_C, phase, C_PHASE, eo_ptr.dtype.element_ty)
+    NBH: tl.constexpr = (H + BH - 1) // BH
+    for j in tl.static_range((NBH + SPLIT - 1) // SPLIT):
+        hh = (j * SPLIT + part) * BH + tl.arange(0, BH)
+        m = ok[:, None] & (hh < H)[None, :]
+        v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=m)
+        tl.store(c_dst + slot[:, None] * H + hh[None, :], v, mask=m)
 
 
 @triton.jit
@@ -469,22 +511,27 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
                     stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_CNT,
                     RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                     KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
-                    PROFILE: tl.constexpr):
+                    PUT_SPLIT: tl.constexpr, PROFILE: tl.constexpr):
     """The whole combine in one cooperative launch: copy_and_put over units (source rank,
-    TB tokens), the arrival signal (last program, once per peer), recv_wait, then topk_reduce
-    over units (token, BH columns), each list walked pid, pid + grid, ..."""
+    TB tokens, column share), the arrival signal (last program, once per peer), recv_wait,
+    then topk_reduce over units (token, BH columns), each list walked pid, pid + grid, ...
+    The put units are numbered source after source, as many as each source sent tokens (the
+    grid is sized on the host from this rank's T, without knowing the peers')."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 1)
     phase = epoch & 1
     if PROFILE:
         t0 = globaltimer()
-    blocks: tl.constexpr = (M + TB - 1) // TB
-    u = pid
-    while u < W * blocks:
-        _put_outputs(u // blocks, u % blocks, eo_ptr, slot_row_ptr, num_tokens_ptr, phase,
-                     P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, W, M, H, K, KP, TB, BH_PUT)
-        u += nprog
+    u = pid  # the unit index, relative to the current source's first unit
+    for d in tl.static_range(W):
+        n_tok = tl.load(num_tokens_ptr + d)
+        units = (n_tok + TB - 1) // TB * PUT_SPLIT
+        while u < units:
+            _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
+                         P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, M, H, K, KP, TB, BH_PUT, PUT_SPLIT)
+            u += nprog
+        u -= units
     if PROFILE:
         t1 = globaltimer()
         _stamp_range(stamps_ptr, 0, t0, t1)
@@ -493,9 +540,7 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
     if pid < T * HB:
         if PROFILE:
             t1 = globaltimer()
-        cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
-        for s in tl.static_range(W):
-            _wait_at_least(cnt + s, (epoch >> 1) + 1)
+        _wait_all_sources(own_ptr, OFF_CNT, phase, epoch, W)
         if PROFILE:
             t2 = globaltimer()
             _stamp_range(stamps_ptr, 1, t1, t2)
@@ -642,20 +687,23 @@ class SymmMemTransport:
         args = (x, topk_ids, self.ids, self._bad, self.invalid, T, num_experts, self._buf, self._state, st,
                 self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
                 m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets)
-        kwargs = dict(MP=_next_pow2(L.max_m), HP=_next_pow2(L.hidden), KP=_next_pow2(L.topk),
-                      G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng), QUANT=self.quant,
+        ps = _dispatch_put_split(T, L.experts_per_rank, ng if self.quant else triton.cdiv(L.hidden, 128))
+        kwargs = dict(MP=_next_pow2(L.max_m), HSP=_next_pow2(triton.cdiv(L.hidden, ps)), KP=_next_pow2(L.topk),
+                      G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng),
+                      NGSP=_next_pow2(triton.cdiv(ng, ps)), QUANT=self.quant,
                       CAPP=_next_pow2(L.capacity), ELP=_next_pow2(L.experts_per_rank),
-                      BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)),
+                      BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)), PUT_SPLIT=ps,
                       PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
-        # One program per token to put or local expert to receive. With few experts for the
-        # grid, the fan-out copy is split over all programs (SPLIT_COPY; a grid barrier first).
-        units = max(T, L.experts_per_rank)
+        # One program per (token, column share) to put or local expert to receive. With few
+        # experts for the grid, the fan-out copy is split over all programs (SPLIT_COPY; a grid
+        # barrier first).
+        units = max(T * ps, L.experts_per_rank)
         split = L.experts_per_rank * SPLIT_COPY_BELOW <= min(units, self.sms * DISPATCH_CTAS_PER_SM)
         # Rows per copy step: 16 in an expert's own program (as until 919e4c1: with 8 there,
         # deepseek-v3's postprocess took 8.8-9.2 µs at c145d0e against 7.0-8.0 with 16);
         # 8 per unit of the split copy.
         kwargs.update(SPLIT_COPY=split, ROWS=8 if split else 16)
-        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split), DISPATCH_CTAS_PER_SM, units, args,
+        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps), DISPATCH_CTAS_PER_SM, units, args,
                                       kwargs)
         _dispatch_kernel[(grid,)](*args, **kwargs)
         recv = self._recv_view(self._calls % 2)
@@ -702,12 +750,17 @@ class SymmMemTransport:
         profile = st is not self._no_stamps
         args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
                 *self._peer_args, self.off_c, self.c_phase, self.off_ccnt)
+        bh_put = min(1024, _next_pow2(L.hidden))
+        ps = _combine_put_split(L.world_size * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
+                                self.sms * COMBINE_CTAS_PER_SM)
         kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
-                      TB=self.tokens_per_out, BH_PUT=min(1024, _next_pow2(L.hidden)), BH=bh, PROFILE=profile,
-                      num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
-        # Units: (source rank, tokens) to put, then (token, columns) to sum.
-        puts = L.world_size * triton.cdiv(L.max_m, self.tokens_per_out)
-        grid = self._cooperative_grid(_combine_kernel, (profile, T, ids.dtype, w.dtype), COMBINE_CTAS_PER_SM,
+                      TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh, PUT_SPLIT=ps,
+                      PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
+        # Units: (source rank, tokens, column share) to put, then (token, columns) to sum. The
+        # peers' token counts are on the device only; size the put part for this rank's T (a
+        # peer that sent more is served by the same programs looping further).
+        puts = L.world_size * triton.cdiv(T, self.tokens_per_out) * ps
+        grid = self._cooperative_grid(_combine_kernel, (profile, T, ids.dtype, w.dtype, ps), COMBINE_CTAS_PER_SM,
                                       max(puts, T * triton.cdiv(L.hidden, bh)), args, kwargs)
         _combine_kernel[(grid,)](*args, **kwargs)
         return self.out[:T]
