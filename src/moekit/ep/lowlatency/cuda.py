@@ -19,12 +19,12 @@ sized from the compiled kernels' occupancy):
   source's counter reached this step's value); postprocess (local experts pid, pid + grid,
   ...: the expert-major meta from the received ids with a cumsum, then the fan-out copy of
   the expert's rows out of the receive buffer).
-* ``_combine_kernel``: copy_and_put (units of (peer rank, token, column share), as many as
-  each peer sent tokens: each expert output row this rank serves goes to its source rank's
-  slot rows ``[token, k]``, once per slot), the arrival signal as above, recv_wait, then
-  topk_reduce (units of (token, 1024 columns)): the K-slot float32 sum in slot order, the
-  slots this rank served itself read straight from the expert output, compiled without FMA
-  contraction so it is bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
+* ``_combine_kernel``: copy_and_put (units of (source rank, token, column share), as many
+  as each source sent tokens: each expert output row this rank serves goes to its source
+  rank's slot rows ``[token, k]``, once per slot), the arrival signal as above, recv_wait,
+  then topk_reduce (units of (token, 1024 columns)): the K-slot float32 sum in slot order,
+  compiled without FMA contraction so it is bitwise equal to
+  :func:`moekit.ep.dispatcher.weighted_slot_sum`.
 
 Merging the four kernels of b2ba722 (put and receive for each direction) into two removed
 the launch gaps between them under graph replay (docs/lowlatency.md has the numbers).
@@ -489,13 +489,11 @@ def _put_outputs(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, P
 
 
 @triton.jit
-def _reduce_slots(t, hb, own_ptr, eo_ptr, slot_row_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE,
-                  RANK: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
+def _reduce_slots(t, hb, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE,
+                  H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
     """topk_reduce of token t, columns [hb*BH, (hb+1)*BH): the K-slot float32 sum in slot
-    order. A slot this rank served itself is read straight from the expert output (its
-    ``slot_row``), a peer's from the slot row it stored here. Separate multiply and add (the
-    kernel is compiled without FMA contraction), so the float32 operations are those of
-    weighted_slot_sum and the result is bitwise equal."""
+    order. Separate multiply and add (the kernel is compiled without FMA contraction), so the
+    float32 operations are those of weighted_slot_sum and the result is bitwise equal."""
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
     slots = _region(own_ptr, OFF_C, phase, C_PHASE, out_ptr.dtype.element_ty)
@@ -503,10 +501,7 @@ def _reduce_slots(t, hb, own_ptr, eo_ptr, slot_row_ptr, ids_ptr, w_ptr, out_ptr,
     for k in tl.static_range(K):
         eid = tl.load(ids_ptr + t * K + k)
         w = tl.load(w_ptr + t * K + k).to(tl.float32)
-        row = tl.load(slot_row_ptr + (RANK * M + t) * K + k)  # >= 0: served here
-        mine = tl.load(eo_ptr + row * H + hh, mask=h_ok & (row >= 0) & (eid >= 0), other=0.0)
-        sent = tl.load(slots + (t * K + k).to(tl.int64) * H + hh, mask=h_ok & (row < 0) & (eid >= 0), other=0.0)
-        v = tl.where(row >= 0, mine, sent).to(tl.float32)
+        v = tl.load(slots + (t * K + k).to(tl.int64) * H + hh, mask=h_ok, other=0.0).to(tl.float32)
         acc = tl.where(eid >= 0, acc + v * w, acc)
     tl.store(out_ptr + t.to(tl.int64) * H + hh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
@@ -517,12 +512,11 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
                     RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                     KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
                     PUT_SPLIT: tl.constexpr, PROFILE: tl.constexpr):
-    """The whole combine in one cooperative launch: copy_and_put over units (peer rank, TB
-    tokens, column share), the arrival signal (last program, once per peer), recv_wait, then
-    topk_reduce over units (token, BH columns), each list walked pid, pid + grid, ... The put
-    units are numbered peer after peer, as many as each peer sent tokens (the grid is sized on
-    the host from this rank's T, without knowing the peers'). This rank's own tokens are not
-    put: their reduce reads the slots this rank served from the expert output itself."""
+    """The whole combine in one cooperative launch: copy_and_put over units (source rank,
+    TB tokens, column share), the arrival signal (last program, once per peer), recv_wait,
+    then topk_reduce over units (token, BH columns), each list walked pid, pid + grid, ...
+    The put units are numbered source after source, as many as each source sent tokens (the
+    grid is sized on the host from this rank's T, without knowing the peers')."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 1)
@@ -531,14 +525,13 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
         t0 = globaltimer()
     u = pid  # the unit index, relative to the current source's first unit
     for d in tl.static_range(W):
-        if d != RANK:
-            n_tok = tl.load(num_tokens_ptr + d)
-            units = (n_tok + TB - 1) // TB * PUT_SPLIT
-            while u < units:
-                _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
-                             P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, M, H, K, KP, TB, BH_PUT, PUT_SPLIT)
-                u += nprog
-            u -= units
+        n_tok = tl.load(num_tokens_ptr + d)
+        units = (n_tok + TB - 1) // TB * PUT_SPLIT
+        while u < units:
+            _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
+                         P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, M, H, K, KP, TB, BH_PUT, PUT_SPLIT)
+            u += nprog
+        u -= units
     if PROFILE:
         t1 = globaltimer()
         _stamp_range(stamps_ptr, 0, t0, t1)
@@ -553,8 +546,7 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
             _stamp_range(stamps_ptr, 1, t1, t2)
         u = pid
         while u < T * HB:
-            _reduce_slots(u // HB, u % HB, own_ptr, eo_ptr, slot_row_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C,
-                          C_PHASE, RANK, M, H, K, BH)
+            _reduce_slots(u // HB, u % HB, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE, H, K, BH)
             u += nprog
         if PROFILE:
             _stamp_range(stamps_ptr, 2, t2, globaltimer())
@@ -759,16 +751,15 @@ class SymmMemTransport:
         args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
                 *self._peer_args, self.off_c, self.c_phase, self.off_ccnt)
         bh_put = min(1024, _next_pow2(L.hidden))
-        peers = L.world_size - 1  # the put serves the peers' tokens only
-        ps = _combine_put_split(peers * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
+        ps = _combine_put_split(L.world_size * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
                                 self.sms * COMBINE_CTAS_PER_SM)
         kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
                       TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh, PUT_SPLIT=ps,
                       PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
-        # Units: (peer rank, tokens, column share) to put, then (token, columns) to sum. The
+        # Units: (source rank, tokens, column share) to put, then (token, columns) to sum. The
         # peers' token counts are on the device only; size the put part for this rank's T (a
         # peer that sent more is served by the same programs looping further).
-        puts = peers * triton.cdiv(T, self.tokens_per_out) * ps
+        puts = L.world_size * triton.cdiv(T, self.tokens_per_out) * ps
         grid = self._cooperative_grid(_combine_kernel, (profile, T, ids.dtype, w.dtype, ps), COMBINE_CTAS_PER_SM,
                                       max(puts, T * triton.cdiv(L.hidden, bh)), args, kwargs)
         _combine_kernel[(grid,)](*args, **kwargs)
