@@ -66,8 +66,9 @@ COMBINE_CTAS_PER_SM = 4  # 4 warps each
 SPLIT_COPY_BELOW = 4
 # Programs per token in the put loops, each storing a contiguous share of the token's
 # columns (whole FP8 groups), at most this many, and only as far as the shares fit the grid
-# the other part of the kernel needs anyway (``_put_splits``): one program quantizing and
-# storing a whole 7168-column token took 3.5 µs of a 1-token dispatch (docs/lowlatency.md).
+# the other part of the kernel needs anyway (``_dispatch_put_split``, ``_combine_put_split``):
+# one program quantizing and storing a whole 7168-column token took 3.5 µs of a 1-token
+# dispatch (docs/lowlatency.md).
 MAX_DISPATCH_PUT_SPLIT = 8
 MAX_COMBINE_PUT_SPLIT = 4
 _ALIGN = 256
