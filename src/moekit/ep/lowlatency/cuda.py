@@ -21,10 +21,12 @@ sized from the compiled kernels' occupancy):
   the expert's rows out of the receive buffer).
 * ``_combine_kernel``: copy_and_put (units of (source rank, token, column share), as many
   as each source sent tokens: each expert output row this rank serves goes to its source
-  rank's slot rows ``[token, k]``, once per slot), the arrival signal as above, recv_wait,
-  then topk_reduce (units of (token, 1024 columns)): the K-slot float32 sum in slot order,
-  compiled without FMA contraction so it is bitwise equal to
-  :func:`moekit.ep.dispatcher.weighted_slot_sum`.
+  rank's slot rows ``[token, k]``, once per slot); per-token arrival signals (each program
+  fences once, then adds its units' column blocks to each of their tokens' counters on the
+  token's rank); then topk_reduce (units of (token, 1024 columns)), each unit waiting only
+  for its own token (recv_wait), so tokens whose rows are in are summed while others are
+  still arriving: the K-slot float32 sum in slot order, compiled without FMA contraction so
+  it is bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
 
 Merging the four kernels of b2ba722 (put and receive for each direction) into two removed
 the launch gaps between them under graph replay (docs/lowlatency.md has the numbers).
@@ -34,10 +36,12 @@ device (one for dispatch, one for combine) and is advanced by the last program o
 step's kernel (a ticket counter tells which program is last, after every program
 has read the epoch). A sender may run at most one step ahead of a receiver (it cannot
 finish step n+1 before the receiver has sent its step n+1 data, which the receiver does
-only after it finished reading step n), so two phases are enough. The counters are int64
-and only grow: the receiver of use u of a phase waits for the value u, which no
-earlier step can reach, so a stale signal can never match, and replaying a captured graph
-keeps working because nothing is frozen on the host.
+only after it finished reading step n), so two phases are enough. The dispatch's counters
+are int64 and only grow: the receiver of use u of a phase waits for the value u, which no
+earlier step can reach, so a stale signal can never match. The combine's per-token
+counters get a routing-independent amount per step (W times the column blocks of a row)
+and are zeroed by the receiver one step before their next use (``_combine_kernel``).
+Replaying a captured graph keeps working because nothing is frozen on the host.
 """
 
 from __future__ import annotations
@@ -72,9 +76,11 @@ SPLIT_COPY_BELOW = 4
 MAX_DISPATCH_PUT_SPLIT = 8
 MAX_COMBINE_PUT_SPLIT = 4
 _ALIGN = 256
+# The combine's per-token arrival counters: int32, one per 128-byte line.
+TOK_STRIDE = tl.constexpr(32)
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
-# program of the receive/reduce part of each kernel (2, 3) and of its put part (4, 5), and
-# the dispatch kernel's grid barrier (6: arrivals, 7: generation)
+# program of each kernel (2, 3) and of the dispatch's put part (4; 5 is unused since the
+# combine signals per token), and the dispatch kernel's grid barrier (6: arrivals, 7: generation)
 _STATE_SIZE = 8
 
 
@@ -508,22 +514,64 @@ def _reduce_slots(t, hb, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE
 
 
 @triton.jit
+def _token_counter(base, OFF_TOK, phase, TOK_PHASE, t):
+    """Pointer to token t's arrival counter (int32, one per 128-byte line so that the peers'
+    atomics on different tokens do not meet in one line) of this phase in the buffer at base."""
+    return (base + OFF_TOK + phase * TOK_PHASE).to(tl.pointer_type(tl.int32)) + t * TOK_STRIDE
+
+
+@triton.jit
+def _signal_tokens(d: tl.constexpr, b, part, n_tok, phase, P0, P1, P2, P3, P4, P5, P6, P7, OFF_TOK, TOK_PHASE,
+                   NBH: tl.constexpr, TB: tl.constexpr, SPLIT: tl.constexpr):
+    """After this program's stores are fenced: for each token of put unit (d, b, part), add
+    the number of column blocks the unit stored to the token's counter on rank d. Every
+    source adds NBH per token in all (its SPLIT shares together), whether or not it served
+    one of the token's slots, so the receiver expects W * NBH without reading the routing.
+    Relaxed: the fence before it makes the pair a release."""
+    nblk = (NBH - part + SPLIT - 1) // SPLIT
+    base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
+    for i in tl.static_range(TB):
+        t = b * TB + i
+        if t < n_tok:
+            tl.atomic_add(_token_counter(base, OFF_TOK, phase, TOK_PHASE, t), nblk, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _wait_token(own_ptr, OFF_TOK, phase, TOK_PHASE, t, EXPECTED: tl.constexpr):
+    """Spin until token t's slot rows of this phase have all arrived (acquire, system scope)."""
+    cnt = _token_counter(own_ptr, OFF_TOK, phase, TOK_PHASE, t)
+    v = tl.atomic_add(cnt, 0, sem="acquire", scope="sys")
+    while v < EXPECTED:
+        v = tl.atomic_add(cnt, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
 def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr,
-                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_CNT,
-                    RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
+                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_TOK, TOK_PHASE,
+                    RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
+                    K: tl.constexpr, KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
                     PUT_SPLIT: tl.constexpr, PROFILE: tl.constexpr):
     """The whole combine in one cooperative launch: copy_and_put over units (source rank,
-    TB tokens, column share), the arrival signal (last program, once per peer), recv_wait,
-    then topk_reduce over units (token, BH columns), each list walked pid, pid + grid, ...
-    The put units are numbered source after source, as many as each source sent tokens (the
-    grid is sized on the host from this rank's T, without knowing the peers')."""
+    TB tokens, column share), then the per-token arrival signals (one fence per program, then
+    one counter add per token of its units, on the token's rank), then topk_reduce over units
+    (token, BH columns), each waiting only for its own token's rows (recv_wait): a token whose
+    rows are in is summed while other tokens are still on the wire. Each list is walked pid,
+    pid + grid, ... The put units are numbered source after source, as many as each source
+    sent tokens (the grid is sized on the host from this rank's T, without knowing the peers').
+
+    Token counters of a phase are zeroed by program 0 of the combine before, which uses the
+    other phase: the last reads of them were in that rank's previous combine, and no peer adds
+    to them again before this rank's next dispatch, which a later kernel sends."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 1)
     phase = epoch & 1
+    if pid == 0:
+        tt = tl.arange(0, MP)
+        tl.store(_token_counter(own_ptr, OFF_TOK, 1 - phase, TOK_PHASE, tt), 0, mask=tt < M)
     if PROFILE:
         t0 = globaltimer()
+    NBH: tl.constexpr = (H + BH_PUT - 1) // BH_PUT
     u = pid  # the unit index, relative to the current source's first unit
     for d in tl.static_range(W):
         n_tok = tl.load(num_tokens_ptr + d)
@@ -536,20 +584,35 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
     if PROFILE:
         t1 = globaltimer()
         _stamp_range(stamps_ptr, 0, t0, t1)
-    _signal_arrival(state_ptr, phase, OFF_CNT, P0, P1, P2, P3, P4, P5, P6, P7, 5, RANK, W, nprog)
+    _fence_system()
+    u = pid
+    for d in tl.static_range(W):  # the same walk again: signal the tokens of this program's units
+        n_tok = tl.load(num_tokens_ptr + d)
+        units = (n_tok + TB - 1) // TB * PUT_SPLIT
+        while u < units:
+            _signal_tokens(d, u // PUT_SPLIT, u % PUT_SPLIT, n_tok, phase, P0, P1, P2, P3, P4, P5, P6, P7,
+                           OFF_TOK, TOK_PHASE, NBH, TB, PUT_SPLIT)
+            u += nprog
+        u -= units
     HB: tl.constexpr = (H + BH - 1) // BH
     if pid < T * HB:
         if PROFILE:
             t1 = globaltimer()
-        _wait_all_sources(own_ptr, OFF_CNT, phase, epoch, W)
-        if PROFILE:
-            t2 = globaltimer()
-            _stamp_range(stamps_ptr, 1, t1, t2)
+            t_wait = t1 - t1
         u = pid
         while u < T * HB:
+            if PROFILE:
+                tw = globaltimer()
+            _wait_token(own_ptr, OFF_TOK, phase, TOK_PHASE, u // HB, W * NBH)
+            if PROFILE:
+                t_wait += globaltimer() - tw
             _reduce_slots(u // HB, u % HB, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE, H, K, BH)
             u += nprog
         if PROFILE:
+            # recv_wait: from the end of the signals to the end of this program's waiting (the
+            # reduce of tokens that arrived early overlaps it); topk_reduce: the rest.
+            t2 = t1 + t_wait
+            _stamp_range(stamps_ptr, 1, t1, t2)
             _stamp_range(stamps_ptr, 2, t2, globaltimer())
     _last_program_advances(state_ptr, epoch, 1, 3, nprog)
 
@@ -594,9 +657,10 @@ class SymmMemTransport:
         self.off_i = self.off_s + 2 * self.s_phase
         self.off_t = self.off_i + 2 * self.i_phase
         self.off_c = self.off_t + 2 * self.t_phase
+        self.tok_phase = _round_up(M * TOK_STRIDE.value * 4)
         self.off_dcnt = self.off_c + 2 * self.c_phase
-        self.off_ccnt = self.off_dcnt + _round_up(2 * W * 8)
-        self.nbytes = self.off_ccnt + _round_up(2 * W * 8)
+        self.off_tok = self.off_dcnt + _round_up(2 * W * 8)
+        self.nbytes = self.off_tok + 2 * self.tok_phase
 
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
@@ -750,12 +814,12 @@ class SymmMemTransport:
         bh = min(1024, _next_pow2(L.hidden))
         profile = st is not self._no_stamps
         args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
-                *self._peer_args, self.off_c, self.c_phase, self.off_ccnt)
+                *self._peer_args, self.off_c, self.c_phase, self.off_tok, self.tok_phase)
         bh_put = min(1024, _next_pow2(L.hidden))
         ps = _combine_put_split(L.world_size * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
                                 self.sms * COMBINE_CTAS_PER_SM)
-        kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, KP=_next_pow2(L.topk),
-                      TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh, PUT_SPLIT=ps,
+        kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, MP=_next_pow2(L.max_m), H=L.hidden, K=L.topk,
+                      KP=_next_pow2(L.topk), TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh, PUT_SPLIT=ps,
                       PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
         # Units: (source rank, tokens, column share) to put, then (token, columns) to sum. The
         # peers' token counts are on the device only; size the put part for this rank's T (a
