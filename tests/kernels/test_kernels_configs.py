@@ -55,7 +55,8 @@ def test_frozen_and_hashable():
 
 @pytest.mark.parametrize("kwargs", [dict(bm=8), dict(bn=48), dict(bk=8), dict(num_warps=3), dict(num_stages=0),
                                     dict(group_m=0), dict(split_k=0), dict(form="other"),
-                                    dict(form="fused", split_k=2)])
+                                    dict(form="fused", split_k=2), dict(bn2=48), dict(bn2=8),
+                                    dict(form="fused", bn2=256)])
 def test_invalid_config(kwargs):
     with pytest.raises(ValueError):
         KernelConfig(**kwargs)
@@ -130,3 +131,20 @@ def test_default_config_fp8_valid(M):
     for shape in PRESETS.values():
         c = default_config(M, shape, dtype=FP8)
         assert fp8_config_error(c) is None and c.fits(elem_bytes=1)
+
+
+def test_wide_gemm2_tiles():
+    """bn2 (GEMM2's own tile) appears for large two_launch token blocks in bf16 only, and counts
+    in the shared memory and register estimates."""
+    s = PRESETS["mixtral-8x7b"]
+    wide = [c for c in config_space(s) if c.bn2]
+    assert wide
+    for c in wide:
+        assert c.form == "two_launch" and c.split_k == 1 and c.bm >= 64 and c.bn2 > c.bn
+        assert c.gemm2_bn == c.bn2 and dataclasses.replace(c, bn2=0) in config_space(s)
+    assert not any(c.bn2 for c in config_space(s, dtype=torch.float8_e4m3fn))
+    c = KernelConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, bn2=256)
+    assert c.smem_bytes() == 3 * (128 * 64 + 2 * 128 * 64) * 2  # GEMM1's is still the larger
+    assert c.acc_regs_per_thread() == 128
+    assert KernelConfig(bm=128, bn=64, bk=64, num_warps=8, bn2=512).acc_regs_per_thread() == 256
+    assert KernelConfig(bm=64, bn=64).gemm2_bn == 64

@@ -76,6 +76,29 @@ def test_configs_uniform_routing(cfg, dtype, alignment):
     _check(x, w, ids, tw, cfg, dtype, alignment)
 
 
+# Shapes that are multiples of the tiles take the unmasked main loops (only padding rows of
+# the activations masked); GEMM2's chunk mask stays where split-K leaves a split short.
+EVEN_SHAPE = MoEShape("tiny-even", num_experts=4, top_k=2, hidden=64, intermediate=32)
+EVEN_CONFIGS = [
+    KernelConfig(bm=16, bn=16, bk=32, split_k=1, form="two_launch"),
+    KernelConfig(bm=16, bn=16, bk=16, split_k=2, form="two_launch"),  # 2 chunks, 2 splits: whole
+    KernelConfig(bm=16, bn=16, bk=16, split_k=4, form="two_launch"),  # 2 chunks, 4 splits: masked
+    KernelConfig(bm=32, bn=16, bk=32, bn2=32, form="two_launch"),  # GEMM2's own, wider tile
+    KernelConfig(bm=16, bn=32, bk=16, bn2=64, split_k=2, form="two_launch"),
+    KernelConfig(bm=16, bn=16, bk=32, form="fused"),
+]
+
+
+@pytest.mark.parametrize("cfg", EVEN_CONFIGS, ids=lambda c: f"{c.form}-bn{c.bn}-bk{c.bk}-sk{c.split_k}-n{c.bn2}")
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_whole_tiles_and_gemm2_tile(cfg, alignment):
+    w = MoEWeights.random(EVEN_SHAPE, seed=5, dtype=torch.float32)
+    g = torch.Generator().manual_seed(105)
+    x = torch.randn(13, EVEN_SHAPE.hidden, generator=g)
+    ids, tw = synthetic_routing(13, EVEN_SHAPE.num_experts, EVEN_SHAPE.top_k, seed=5)
+    _check(x, w, ids, tw, cfg, torch.float32, alignment)
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_direct_and_sorted_addressing_agree(form):
     """Same blocks, same tiles, rows in another order: equal up to float32 summation order."""

@@ -20,7 +20,7 @@ tried with 8 warps as well as 4.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,11 @@ DECODE_MAX_BM = 32
 PIPELINE_STAGES = (2, 3, 4)
 GROUP_M_CHOICES = (1, 8)  # 1 = no swizzle
 SPLIT_K_CHOICES = (1, 4)  # split of GEMM2's reduction, two_launch form only
+# GEMM2's own, wider output tile (bn2) in the two_launch form, for large token blocks (bf16):
+# GEMM1 holds two [bm, bn] accumulators (gate and up), GEMM2 one, so GEMM2 can take a tile
+# twice as wide for the same registers.
+GEMM2_WIDE_BN = 256
+GEMM2_WIDE_MIN_BM = 64
 
 # FP8 W8A8: (bn, bk) families and pipeline depths (see fp8_config_error for why).
 FP8_SCALE_BLOCK = 128
@@ -65,7 +70,9 @@ class KernelConfig:
     (1 = off) of the (token block, column tile) grid so CTAs that share weight columns run
     close together in time (L2 reuse). split_k: number of CTAs that share GEMM2's reduction
     over N, accumulating with atomics (two_launch only; the fused form is already split over
-    N by construction). form: ``"two_launch"`` or ``"fused"``.
+    N by construction). form: ``"two_launch"`` or ``"fused"``. bn2: GEMM2's output tile
+    (over H) in the two_launch form, 0 = bn; GEMM2 has one accumulator where GEMM1 has two
+    (gate and up), so at large token blocks it can take a tile twice as wide.
     """
 
     bm: int = 64
@@ -76,6 +83,7 @@ class KernelConfig:
     group_m: int = 1
     split_k: int = 1
     form: str = "two_launch"
+    bn2: int = 0
 
     def __post_init__(self) -> None:
         if self.bm not in TOKEN_BLOCKS:
@@ -97,6 +105,15 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.form must be one of {FORMS}, got {self.form!r}")
         if self.form == "fused" and self.split_k != 1:
             raise ValueError("KernelConfig.split_k must be 1 in the fused form (it is split over N already)")
+        if self.bn2 and (self.bn2 < 16 or self.bn2 & (self.bn2 - 1)):
+            raise ValueError(f"KernelConfig.bn2 must be 0 (= bn) or a power of two >= 16, got {self.bn2!r}")
+        if self.bn2 and self.form == "fused":
+            raise ValueError("KernelConfig.bn2 must be 0 in the fused form (it has no separate GEMM2)")
+
+    @property
+    def gemm2_bn(self) -> int:
+        """GEMM2's output tile over H in the two_launch form."""
+        return self.bn2 or self.bn
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Estimated shared memory of the largest kernel of this config (bytes).
@@ -110,13 +127,15 @@ class KernelConfig:
         gemm1 = self.num_stages * (self.bm * self.bk + 2 * self.bn * self.bk) * elem_bytes
         if self.form == "fused":
             return gemm1 + (self.bk * self.bn + self.bm * self.bn) * elem_bytes * 2
-        gemm2 = self.num_stages * (self.bm * self.bk + self.bn * self.bk) * elem_bytes
+        gemm2 = self.num_stages * (self.bm * self.bk + self.gemm2_bn * self.bk) * elem_bytes
         return max(gemm1, gemm2)
 
     def acc_regs_per_thread(self) -> int:
-        """fp32 accumulator registers per thread: gate + up [bm, bn] each, plus in the fused
-        form the down-projection partial [bm, bk]."""
+        """fp32 accumulator registers per thread of the larger kernel: GEMM1's gate + up [bm, bn]
+        each, plus in the fused form the down-projection partial [bm, bk]; GEMM2's [bm, bn2]."""
         acc = 2 * self.bm * self.bn + (self.bm * self.bk if self.form == "fused" else 0)
+        if self.form == "two_launch":
+            acc = max(acc, self.bm * self.gemm2_bn)
         return acc // (32 * self.num_warps)
 
     def fits(self, smem_limit: int = HOPPER_SMEM_PER_BLOCK, elem_bytes: int = 2) -> bool:
@@ -207,6 +226,11 @@ def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfl
                 continue
             if cfg.fits(limit, elem):
                 out.append(cfg)
+                if (not fp8 and form == "two_launch" and split_k == 1 and bm >= GEMM2_WIDE_MIN_BM
+                        and bn < GEMM2_WIDE_BN <= cap_n):
+                    wide = replace(cfg, bn2=GEMM2_WIDE_BN)
+                    if wide.fits(limit, elem):
+                        out.append(wide)
     return out
 
 

@@ -234,10 +234,16 @@ if HAVE_TRITON:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(H, BK)):
-            k_ok = offs_k < H - k0 * BK
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if H % BK == 0 and N % BN == 0:
+                # Whole tiles: only the padding rows of A are masked (no per-step k / n masks).
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                k_ok = offs_k < H - k0 * BK
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 # The chunk's fp8 products, then its scales, then into the float32 accumulator.
                 a_s = tl.load(xs_ptrs + k0, mask=row_ok, other=0.0)
@@ -314,9 +320,10 @@ if HAVE_TRITON:
                    H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                    stride_ism, stride_wse, stride_wsh, stride_wsk, CHUNKS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                   FP8: tl.constexpr):
+                   FP8: tl.constexpr, WHOLE_CHUNKS: tl.constexpr):
         """inter[rows] @ w2[e][offs_h].T over the CHUNKS reduction chunks of BK starting at chunk
         ``c_begin``, as a float32 [BM, BN] tile. Rows with ``row_ok`` False are not read (0).
+        WHOLE_CHUNKS: every split's chunks lie inside N (no chunk mask needed).
 
         FP8: inter and w2 are e4m3, is the intermediate's [rows, N/128] scales, ws w2's
         [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both."""
@@ -332,10 +339,15 @@ if HAVE_TRITON:
                        + c_begin * stride_wsk)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for i in range(0, CHUNKS):
-            # The last split may own fewer chunks (or none): mask the chunks past the end.
-            k_ok = offs_k < N - (c_begin + i) * BK
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+            if WHOLE_CHUNKS and H % BN == 0:
+                # Whole tiles and every chunk inside N: only the padding rows of A are masked.
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                # The last split may own fewer chunks (or none): mask the chunks past the end.
+                k_ok = offs_k < N - (c_begin + i) * BK
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
             if FP8:
                 chunk_ok = c_begin + i < N // _SB
                 a_s = tl.load(as_ptrs + i, mask=row_ok & chunk_ok, other=0.0)
@@ -355,7 +367,7 @@ if HAVE_TRITON:
         stride_im, stride_we, stride_wh, stride_wk, stride_om,
         is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
         OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
-        MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr,
+        MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
     ):
@@ -375,7 +387,8 @@ if HAVE_TRITON:
         # BK chunks (computed on the host so the loop bound is a compile-time constant).
         acc = _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, rows, row_ok, expert, offs_h,
                          tl.program_id(1) * PER_SPLIT, H, N, stride_im, stride_we, stride_wh, stride_wk,
-                         stride_ism, stride_wse, stride_wsh, stride_wsk, PER_SPLIT, BM, BN, BK, PRECISION, FP8)
+                         stride_ism, stride_wse, stride_wsh, stride_wsk, PER_SPLIT, BM, BN, BK, PRECISION, FP8,
+                         WHOLE_CHUNKS)
         h_ok = offs_h < H
         if MUL_WEIGHT:
             acc = acc * w[:, None]
@@ -957,14 +970,15 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
         )
         return out
-    grid2 = (num_m * triton.cdiv(H, c.bn), c.split_k)
+    grid2 = (num_m * triton.cdiv(H, c.gemm2_bn), c.split_k)
+    per_split = triton.cdiv(triton.cdiv(N, c.bk), c.split_k)  # whole BK chunks per split
     _gemm2_kernel[grid2](
         inter, w2, out, wptr, *addr, num_m, H, N,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
-        PER_SPLIT=triton.cdiv(triton.cdiv(N, c.bk), c.split_k),
-        BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
+        PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
+        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
     return out.to(out_dtype)
 
