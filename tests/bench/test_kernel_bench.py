@@ -279,6 +279,20 @@ def test_merge_reports_what_the_parts_still_miss():
     assert merge_tables([half, whole])["incomplete"] == [skipped]
 
 
+def test_merge_accepts_a_larger_space():
+    """A run of a later, larger space merges with an earlier run of the same shape: the merged
+    shape keeps the larger space size, and the earlier run's points stay partial."""
+    whole = _synthetic_table(seed=5)
+    old = json.loads(json.dumps(whole))
+    old["shapes"]["toy"]["space_size"] = whole["shapes"]["toy"].get("space_size", 4) - 1
+    merged = merge_tables([whole, old])
+    assert merged["shapes"]["toy"]["space_size"] == whole["shapes"]["toy"].get("space_size", 4)
+    changed = json.loads(json.dumps(old))
+    changed["shapes"]["toy"]["hidden"] = changed["shapes"]["toy"].get("hidden", 0) + 1
+    with pytest.raises(ValueError, match="different dimensions"):
+        merge_tables([whole, changed])
+
+
 def test_compiled_kernels_counts_one_binary_per_addressing_path():
     from moekit.kernels import KernelConfig
 

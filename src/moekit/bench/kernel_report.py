@@ -332,15 +332,20 @@ def merge_tables(tables: list[dict]) -> dict:
                 by_id[c["id"]] = len(configs)
                 configs.append(c)
     shapes: dict[str, dict] = {}
+    # Not dimensions: the configs, the default per M, and the size of the space the run
+    # enumerated (a later space may have more configs; the merge keeps the largest).
+    own = ("configs", "default", "space_size")
     for t in tables:
         for name, s in t["shapes"].items():
             remap = [by_id[t["configs"][i]["id"]] for i in s["configs"]]
-            dims = {k: v for k, v in s.items() if k not in ("configs", "default")}
+            dims = {k: v for k, v in s.items() if k not in own}
             if name not in shapes:
                 shapes[name] = dims | {"configs": [], "default": {}}
-            elif {k: v for k, v in shapes[name].items() if k not in ("configs", "default")} != dims:
+            elif {k: v for k, v in shapes[name].items() if k not in own} != dims:
                 raise ValueError(f"cannot merge: shape {name!r} has different dimensions in two tables")
             merged = shapes[name]
+            if "space_size" in s:
+                merged["space_size"] = max(merged.get("space_size", 0), s["space_size"])
             merged["configs"] += [i for i in remap if i not in merged["configs"]]
             for M, i in s["default"].items():
                 merged["default"].setdefault(M, by_id[t["configs"][i]["id"]])
