@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 from decode_probe import kernel_breakdown
-from probe_common import expert_weights, median_us, write_result
+from probe_common import ceilings_and_flusher, expert_weights, median_us, write_result
 
-from moekit.bench.kernel import bench_shape, measure_ceilings, point_routing, point_work
-from moekit.bench.timing import L2Flusher
+from moekit.bench.kernel import bench_shape, point_routing, point_work
 from moekit.kernels import KernelConfig, fused_moe
 
 fm_module = importlib.import_module("moekit.kernels.fused_moe")
@@ -86,10 +85,8 @@ def main() -> int:
     args = p.parse_args()
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
-    ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
+    ceil, flusher = ceilings_and_flusher(dev)
     hbm = ceil["hbm_gbps"]
-    print(f"ceilings: HBM copy {hbm:.0f} GB/s", flush=True)
-    flusher = L2Flusher(256 << 20, dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     one = torch.empty(max(4 * sms, 1 << 16), dtype=torch.float32, device=dev)
     sync = torch.empty(300, dtype=torch.int32, device=dev)

@@ -31,11 +31,10 @@ from dataclasses import replace
 
 import torch
 from ab_kernel import load_baseline
-from probe_common import expert_weights, median_us, write_result
+from probe_common import ceilings_and_flusher, expert_weights, median_us, write_result
 
-from moekit.bench.kernel import bench_shape, config_id, measure_ceilings, point_routing, point_work
+from moekit.bench.kernel import bench_shape, config_id, point_routing, point_work
 from moekit.bench.kernel_baseline import make_torch_moe
-from moekit.bench.timing import L2Flusher
 from moekit.kernels import KernelConfig, fused_moe
 
 BASES = (
@@ -74,10 +73,8 @@ def main() -> int:
     args = p.parse_args()
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
-    ceilings = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
-    print(f"ceilings: {ceilings['hbm_gbps']:.0f} GB/s, {ceilings['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    ceilings, flusher = ceilings_and_flusher(dev)
     old = load_baseline(args.baseline_file) if args.baseline_file else None
-    flusher = L2Flusher(256 << 20, dev)
     rows, last = [], None
     for name, M, beta in POINTS:
         s = bench_shape(name)

@@ -21,6 +21,18 @@ def median_us(fn, flusher, iters: int) -> float:
     return summarize(time_cold(fn, iters=iters, warmup=3, capture=True, flush_bytes=0, flusher=flusher))["median"]
 
 
+def ceilings_and_flusher(dev: torch.device) -> tuple[dict, object]:
+    """The bench's measured ceilings (1 GiB copy, 8192^3 bf16 matmul), printed, and the 256 MB
+    L2 flusher the probes time with."""
+    from moekit.bench.kernel import measure_ceilings
+    from moekit.bench.timing import L2Flusher
+
+    ceilings = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
+    print(f"ceilings: HBM copy {ceilings['hbm_gbps']:.0f} GB/s, matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
+          flush=True)
+    return ceilings, L2Flusher(256 << 20, dev)
+
+
 def expert_weights(s, dev: torch.device, seed: int = 17) -> tuple[torch.Tensor, torch.Tensor]:
     """Random bf16 w13 [E, 2N, H] and w2 [E, H, N] of bench shape ``s``, drawn on the device."""
     g = torch.Generator(device=dev).manual_seed(seed)
