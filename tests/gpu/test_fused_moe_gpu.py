@@ -225,3 +225,51 @@ def test_decode_schedule_graph_replays_with_new_routing(monkeypatch, persistent,
         ref = reference_moe(x, ref_w, new_ids, new_tw)
         assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
         assert torch.equal(y, fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")), step
+
+
+@pytest.mark.parametrize("fin_elems", [8192, 256], ids=["4-slices", "128-slices"])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_fused_finalize_graph_replays_with_new_routing(monkeypatch, fin_elems, tokens):
+    """The self-finalizing fused form (one launch: the last units to arrive wait for the
+    others, cast the float32 workspace out and zero it) on a shape with up to 512 units, with
+    the casting spread over up to 16 of them (128 slices of [16, 16]). Its workspace is first
+    created inside the capture (the zeroing is only recorded there), so the eager call made
+    before any replay must zero it first. 30 replays with routing redrawn before each: each
+    matches the reference and an eager call (float32 atomics: not bitwise), and leaves the
+    workspace and its counters at zero."""
+    import importlib
+
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    monkeypatch.setattr(module, "FINALIZE_TILE_ELEMS", fin_elems)
+    w = MoEWeights.random(NARROW_SHAPE, seed=16, dtype=torch.float32)
+    x = torch.randn(tokens, NARROW_SHAPE.hidden, generator=torch.Generator().manual_seed(17)).bfloat16()
+    w13, w2 = w.w13.bfloat16(), w.w2.bfloat16()
+    ids, tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k, seed=18)
+    cfg = KernelConfig(bm=16, bn=32, bk=128, num_stages=3, form="fused")
+    xd, w13d, w2d, ids_buf, tw_buf = x.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda()
+    fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")  # compile outside the capture
+    monkeypatch.setattr(module, "_WORKSPACES", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+    ref_w = MoEWeights(w.router, w13, w2)
+    ws = module._WORKSPACES[(xd.device, cfg.bm, NARROW_SHAPE.hidden)]
+    assert ws.pending_zero
+    ws.acc.fill_(7.0)  # what the graph's recorded zeroing has not cleared yet
+    acc, sync = ws.acc, ws.sync
+    for step in range(31):
+        if step:
+            new_ids, new_tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k,
+                                                zipf=1.3 if step % 2 else None, seed=200 + step)
+            if step % 3 == 0:
+                new_ids[0, -1] = -1
+            ids_buf.copy_(new_ids)
+            tw_buf.copy_(new_tw)
+        eager = fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(acc.abs().sum().item()) == 0 and int(sync.abs().sum().item()) == 0, step
+        ref = reference_moe(x, ref_w, ids_buf.cpu(), tw_buf.cpu())
+        assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
+        assert ((eager.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
+        torch.testing.assert_close(y.float(), eager.float(), rtol=1e-2, atol=1e-2)
