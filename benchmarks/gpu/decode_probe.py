@@ -13,10 +13,7 @@ hardest (few small experts touched), it measures:
    calls, each after a flush), so the gap between kernels and their sum is visible;
 4. with ``--two-kernel``: every decode-schedule config again with
    ``fused_moe.DECODE_PERSISTENT = False`` (GEMM1 and the decode GEMM2 as two launches instead
-   of the one persistent kernel), in the same process, so the two are compared on one machine;
-5. with ``--three-launch-fused``: every fused config again with ``fused_moe.FUSED_FINALIZE =
-   False`` (a zeroed float32 buffer, the kernel, a cast: three launches instead of the one
-   self-finalizing kernel), in the same process.
+   of the one persistent kernel), in the same process, so the two are compared on one machine.
 
 Step 2 runs only with ``--gemm2-plans``.
 
@@ -59,9 +56,8 @@ def decode_configs(name: str, bm: int = 16) -> list[KernelConfig]:
 
 
 def _warm(task) -> str | None:
-    name, cfg, persistent, finalize = task
+    name, cfg, persistent = task
     fm_module.DECODE_PERSISTENT = persistent
-    fm_module.FUSED_FINALIZE = finalize
     s = bench_shape(name)
     dev = torch.device("cuda", 0)
     w13 = torch.empty(s.num_experts, 2 * s.intermediate, s.hidden, device=dev, dtype=torch.bfloat16)
@@ -103,8 +99,6 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--out", default="decode-probe.json")
     p.add_argument("--two-kernel", action="store_true", help="also time the two-kernel decode schedule")
-    p.add_argument("--three-launch-fused", action="store_true",
-                   help="also time the fused form with FUSED_FINALIZE = False")
     p.add_argument("--gemm2-plans", action="store_true", help="sweep the decode GEMM2's plan (step 2)")
     p.add_argument("--bm", type=int, default=16, help="the token block of the configs timed")
     p.add_argument("--points", nargs="+", default=None, metavar="M:BETA",
@@ -113,13 +107,10 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
     points = POINTS if args.points is None else [(int(m), float(b)) for m, b in (p.split(":") for p in args.points)]
-    tasks = [(n, asdict(c), True, True) for n in args.shapes for c in decode_configs(n, args.bm)]
+    tasks = [(n, asdict(c), True) for n in args.shapes for c in decode_configs(n, args.bm)]
     if args.two_kernel:
-        tasks += [(n, asdict(c), False, True) for n in args.shapes for c in decode_configs(n, args.bm)
+        tasks += [(n, asdict(c), False) for n in args.shapes for c in decode_configs(n, args.bm)
                   if c.form == "two_launch"]
-    if args.three_launch_fused:
-        tasks += [(n, asdict(c), True, False) for n in args.shapes for c in decode_configs(n, args.bm)
-                  if c.form == "fused"]
     errors = compile_in_pool(_warm, tasks, args.workers)
     ceil = measure_ceilings(dev, torch.bfloat16, 1 << 30, 8192)
     hbm = ceil["hbm_gbps"]
@@ -147,7 +138,7 @@ def main() -> int:
 
             ref = fused_moe(x, w13, w2, ids, tw, KernelConfig(bm=16, bn=64, bk=64, split_k=4)).float()
             row = {"shape": name, "M": M, "beta": beta, **work, "configs": {}, "two_kernel": {}, "gemm2_tiles": {},
-                   "kernels": {}, "three_launch_fused": {}}
+                   "kernels": {}}
 
             def measure(c, into):
                 try:
@@ -170,18 +161,6 @@ def main() -> int:
                 if best_two is not None:
                     row["kernels"]["two-kernel " + config_id(best_two)] = kernel_breakdown(call(best_two), fl)
                 fm_module.DECODE_PERSISTENT = True
-            best_three = None
-            if args.three_launch_fused:
-                fm_module.FUSED_FINALIZE = False
-                for c in configs:
-                    if c.form == "fused":
-                        measure(c, row["three_launch_fused"])
-                three_ok = {c: row["three_launch_fused"][config_id(c)] for c in configs
-                            if "us" in row["three_launch_fused"].get(config_id(c), {})}
-                best_three = min(three_ok, key=lambda c: three_ok[c]["us"], default=None)
-                if best_three is not None:
-                    row["kernels"]["three-launch " + config_id(best_three)] = kernel_breakdown(call(best_three), fl)
-                fm_module.FUSED_FINALIZE = True
             ok = {c: row["configs"][config_id(c)] for c in configs if "us" in row["configs"][config_id(c)]}
             by_form = {f: min((c for c in ok if c.form == f), key=lambda c: ok[c]["us"], default=None)
                        for f in ("two_launch", "fused")}
@@ -217,9 +196,6 @@ def main() -> int:
             if args.two_kernel and best_two is not None:
                 print(f"      two-kernel {config_id(best_two):25s} {two_ok[best_two]['us']:8.1f} us"
                       f"  hbm {pct(two_ok[best_two]['us']):5.1f}%  err {two_ok[best_two]['rel_err']:.1e}")
-            if best_three is not None:
-                print(f"      three-launch {config_id(best_three):23s} {three_ok[best_three]['us']:8.1f} us"
-                      f"  hbm {pct(three_ok[best_three]['us']):5.1f}%  err {three_ok[best_three]['rel_err']:.1e}")
             for k, v in row["gemm2_tiles"].items():
                 if "us" in v:
                     print(f"      gemm2 {k:24s} (with {config_id(best_t)}) {v['us']:8.1f} us"

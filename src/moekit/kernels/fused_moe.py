@@ -676,65 +676,6 @@ if HAVE_TRITON:
                                    PRECISION, FP8)
                 u += grid
 
-    @triton.jit
-    def _store_zero_rows(final_ptr, num_tokens, H: tl.constexpr, stride_fm, BM: tl.constexpr, COLS: tl.constexpr):
-        """final[:num_tokens, :H] = 0, in [BM, COLS] tiles."""
-        tok = tl.arange(0, BM)
-        cols = tl.arange(0, COLS)
-        for s in range(0, (H + COLS - 1) // COLS):
-            c = s * COLS + cols
-            tl.store(final_ptr + tok[:, None].to(tl.int64) * stride_fm + c[None, :],
-                     tl.zeros((BM, COLS), final_ptr.dtype.element_ty),
-                     mask=(tok < num_tokens)[:, None] & (c < H)[None, :])
-
-    @triton.jit
-    def _finalize_accumulator(acc_ptr, final_ptr, sync_ptr, units, num_tokens, H: tl.constexpr, stride_fm,
-                              BM: tl.constexpr, COLS: tl.constexpr, FINALIZERS: tl.constexpr, SPIN: tl.constexpr):
-        """The end of a unit of the self-finalizing fused form (``_fused_kernel`` with FINALIZE):
-        count this unit's arrival; the last ``g`` of the ``units`` to arrive (g = min(units,
-        FINALIZERS)) wait until all have, then each casts every g-th [BM, COLS] slice of the
-        float32 accumulator ``acc`` [BM, H] into ``final`` and writes zeros back; the last of
-        them to finish resets the two counters ``sync`` [arrivals, finished]. So the call needs
-        neither a zeroed buffer nor a cast launch, and leaves the workspace as it found it.
-
-        SPIN False (the interpreter, whose programs run one after another, so a wait would never
-        end): g = 1, the last unit to arrive finalizes every slice. On the GPU at most
-        FINALIZERS - 1 CTAs wait, for fewer than FINALIZERS units that are running or will get
-        one of the SMs the others have left."""
-        SLICES: tl.constexpr = (H + COLS - 1) // COLS
-        # Every thread's atomic adds are issued before the (one-thread) release of the arrival.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-        if SPIN:
-            g = tl.minimum(units, FINALIZERS)
-        else:
-            g = 1
-        first = units - g
-        if arrived >= first:
-            if SPIN:
-                seen = arrived + 1
-                while seen < units:
-                    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            tok = tl.arange(0, BM)
-            cols = tl.arange(0, COLS)
-            row_ok = tok < num_tokens
-            mine = arrived - first
-            for s in range(0, SLICES):  # (a constant bound, for the interpreter)
-                c = s * COLS + cols
-                m = row_ok[:, None] & (c < H)[None, :] & (s % g == mine)
-                a_ptrs = acc_ptr + tok[:, None] * H + c[None, :]
-                # .cg: the sums live in L2, where the atomics made them (never in this SM's L1).
-                v = tl.load(a_ptrs, mask=m, other=0.0, cache_modifier=".cg")
-                tl.store(final_ptr + tok[:, None].to(tl.int64) * stride_fm + c[None, :],
-                         v.to(final_ptr.dtype.element_ty), mask=m)
-                tl.store(a_ptrs, tl.zeros((BM, COLS), tl.float32), mask=m)
-            tl.debug_barrier()
-            finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-            if finished == g - 1:  # every finalizer is past its wait: the next call starts at 0
-                tl.store(sync_ptr, 0)
-                tl.store(sync_ptr + 1, 0)
-
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
         x_ptr, w13_ptr, w2_ptr, out_ptr, weights_ptr,
@@ -743,37 +684,20 @@ if HAVE_TRITON:
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_om,
         xs_ptr, w13s_ptr, w2s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
         stride_w2se, stride_w2sh, stride_w2sk,
-        final_ptr, sync_ptr, stride_fm,
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        FINALIZE: tl.constexpr, FIN_COLS: tl.constexpr, FINALIZERS: tl.constexpr, SPIN: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
-
-        FINALIZE (direct addressing only): ``out`` is a persistent float32 workspace [BM, H]
-        that starts at zero, and the units themselves cast it into ``final`` [M, H] and zero it
-        again (``_finalize_accumulator``): the whole call is this one launch.
 
         FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
         scale block h0: one activation scale per row and one w2 scale per chunk."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
-        if FINALIZE:  # direct addressing, and the number of units is needed at the end
-            ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP,
-                                                     BINS, MUL_WEIGHT)
-            live, expert, _, a_rows, row_ok, w = _direct_block(pid_m, ids, valid, wts, named, num_experts, BM)
-            out_rows = a_rows
-            units = tl.max(named, 0) * num_n
-            if units == 0:  # every slot masked: no unit will finalize, the output is zero
-                if tl.program_id(0) == 0:
-                    _store_zero_rows(final_ptr, num_tokens, H, stride_fm, BM, FIN_COLS)
-                return
-        else:
-            live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
-                pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr,
-                num_tokens, top_k, num_experts, A_DIV, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
+        live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
+            pid_m, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, ids_ptr, weights_ptr, num_tokens,
+            top_k, num_experts, A_DIV, OUT_DIV, BM, DIRECT, KP, BINS, MUL_WEIGHT)
         if not live:
             return
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -806,9 +730,6 @@ if HAVE_TRITON:
             tl.atomic_add(o_ptrs, part, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
             b_ptrs += BK * stride_w2h
             o_ptrs += BK
-        if FINALIZE:
-            _finalize_accumulator(out_ptr, final_ptr, sync_ptr, units, num_tokens, H, stride_fm, BM, FIN_COLS,
-                                  FINALIZERS, SPIN)
 
 
 def _require_triton() -> None:
@@ -936,49 +857,6 @@ PERSISTENT_MAX_SPLITS = 8
 INTERPRET_GRID = 5
 
 
-# The fused form under direct addressing (M <= bm) finalizes its own output
-# (``_finalize_accumulator``): it adds into a persistent float32 workspace [bm, H] per (device,
-# bm, H) that starts at zero, and its last units cast the sums out and zero the workspace
-# again, so the call is one launch instead of a memset, the kernel and a cast (on an H200 the
-# two extra nodes cost about 4 us of a 30 us decode call). FINALIZERS: at most that many units
-# (the last to arrive) share the casting, each [bm, FINALIZE_TILE_ELEMS / bm] slices.
-# False selects the three-launch version (kept to measure one against the other).
-FUSED_FINALIZE = True
-FINALIZERS = 16
-FINALIZE_TILE_ELEMS = 8192
-
-
-class _Workspace:
-    """A fused-form accumulator and its two counters, with whether they still need zeroing
-    (created inside a CUDA-graph capture, where the zeroing is only recorded, not run)."""
-
-    def __init__(self, device: torch.device, bm: int, H: int) -> None:
-        self.acc = torch.zeros(bm, H, dtype=torch.float32, device=device)
-        self.sync = torch.zeros(2, dtype=torch.int32, device=device)
-        self.pending_zero = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-_WORKSPACES: dict[tuple, _Workspace] = {}
-
-
-def _fused_workspace(device: torch.device, bm: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The persistent (accumulator [bm, H] float32, counters [2] int32) of the self-finalizing
-    fused form on ``device``. Every call leaves them zero again, so calls on one stream (eager,
-    or replays of graphs that captured it) can share them; calls that run concurrently on
-    different streams must not use the same (device, bm, H)."""
-    key = (device, bm, H)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = _Workspace(device, bm, H)
-    elif ws.pending_zero and not torch.cuda.is_current_stream_capturing():
-        # First created inside a capture: the graph zeroes it when replayed, an eager call
-        # made before any replay must not find garbage.
-        ws.acc.zero_()
-        ws.sync.zero_()
-        ws.pending_zero = False
-    return ws.acc, ws.sync
-
-
 def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, fp8: bool,
                        max_blocks: int, device: torch.device) -> tuple[int, int, int]:
     """(column tile, reduction chunk, expert splits) of the decode schedule's GEMM2.
@@ -1041,26 +919,16 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         xs_args, w13s_args, w2s_args = (out, 0), (out, 0, 0, 0), (out, 0, 0, 0)
     soft = fp8 and _interpreting()
     if c.form == "fused":
-        finalize = FUSED_FINALIZE and isinstance(al, DirectBlocks)
-        if finalize:  # one launch: a persistent accumulator that the kernel casts and re-zeroes
-            acc, sync = _fused_workspace(device, c.bm, H)
-            final = torch.empty(out_rows, H, dtype=out_dtype, device=device)
-        else:
-            acc, sync = out, out  # (sync never read)
-            final = out
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
-            x2d, w13, w2, acc, wptr, *addr, num_m, H, N,
+            x2d, w13, w2, out, wptr, *addr, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2), acc.stride(0),
+            w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
-            final, sync, final.stride(0),
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
-            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            FINALIZE=finalize, FIN_COLS=max(16, FINALIZE_TILE_ELEMS // c.bm), FINALIZERS=FINALIZERS,
-            SPIN=not _interpreting(), **launch,
+            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
         )
-        return final if finalize else out.to(out_dtype)
+        return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
     inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=device)
