@@ -3,10 +3,11 @@
 #
 # Usage (device machine, repo root):
 #   MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/kernel.sh PART [extra bench options]
-# PART (one shape or a slice of one per call; each part prints its real rate). Since ce5bc32
-# (batch-size ints not specialized) two small shapes fit one call: `custom --models olmoe-1b-7b
-# qwen3-30b-a3b` took 475 s; deepseek-v3-tp8 + deepseek-v3-ep32 all but ep32's M = 4096 in
-# 520 s; mixtral's M = 4096 needs two calls (--config-offset). See docs/kernel.md.
+# PART (one shape or a slice of one per call; each part prints its real rate). With the
+# 317-config space (51b074d) one call holds: olmoe + qwen3 up to qwen3's M = 256 (521 s);
+# qwen3 M = 1024, 4096 plus part 3 (~500 s); deepseek-v3-ep32 M <= 1024 (273 s); part 5
+# (440 s); deepseek-v3-ep32 M = 4096 (142 s); mixtral's M = 4096 needs two calls
+# (--config-stride 2 --config-offset 0|1). See docs/kernel.md.
 #   1      olmoe-1b-7b
 #   2      qwen3-30b-a3b
 #   3      deepseek-v3-tp8
