@@ -421,7 +421,7 @@ def _grid(n: int) -> tuple[int, int]:
 
 def _latency_figure(rows, shapes, device, path: Path) -> Path:
     nr, nc = _grid(len(shapes))
-    fig, axes = new_figure(nr, nc, figsize=(5.2 * nc, 4.0 * nr))
+    fig, axes = new_figure(nr, nc, figsize=(5.2 * nc, 4.0 * nr), layout="constrained")
     axes = np.atleast_1d(axes).ravel()
     betas = sorted({r["beta"] for r in rows}, reverse=True)
     colors = {b: c for b, c in zip(betas, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
@@ -451,12 +451,13 @@ def _latency_figure(rows, shapes, device, path: Path) -> Path:
 
 def _short(cfg: dict) -> str:
     return f"{'F' if cfg['form'] == 'fused' else 'T'}{cfg['bm']}\n{cfg['bn']}x{cfg['bk']}" + \
-        (f"\nk{cfg['split_k']}" if cfg["split_k"] > 1 else "") + (f"\ng{cfg['group_m']}" if cfg["group_m"] > 1 else "")
+        (f"\nk{cfg['split_k']}" if cfg["split_k"] > 1 else "") + (f"\ng{cfg['group_m']}" if cfg["group_m"] > 1 else "") + \
+        (f"\nn{cfg['bn2']}" if cfg.get("bn2") else "")
 
 
 def _winners_figure(table, rows, shapes, device, path: Path) -> Path:
     nr, nc = _grid(len(shapes))
-    fig, axes = new_figure(nr, nc, figsize=(5.6 * nc, 3.6 * nr))
+    fig, axes = new_figure(nr, nc, figsize=(5.6 * nc, 4.2 * nr), layout="constrained")
     axes = np.atleast_1d(axes).ravel()
     for ax, shape in zip(axes, shapes):
         rs = [r for r in rows if r["shape"] == shape]
@@ -476,5 +477,5 @@ def _winners_figure(table, rows, shapes, device, path: Path) -> Path:
     for ax in axes[len(shapes):]:
         ax.set_visible(False)
     fig.suptitle(f"Winning config per point ({device})\nT/F = two_launch/fused + bm, bn x bk, k = split-K, "
-                 "g = GROUP_M", y=1.04)
+                 "g = GROUP_M, n = GEMM2's own tile")
     return save_figure(fig, path)
