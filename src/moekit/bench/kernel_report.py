@@ -450,9 +450,15 @@ def _latency_figure(rows, shapes, device, path: Path) -> Path:
 
 
 def _short(cfg: dict) -> str:
-    return f"{'F' if cfg['form'] == 'fused' else 'T'}{cfg['bm']}\n{cfg['bn']}x{cfg['bk']}" + \
-        (f"\nk{cfg['split_k']}" if cfg["split_k"] > 1 else "") + (f"\ng{cfg['group_m']}" if cfg["group_m"] > 1 else "") + \
-        (f"\nn{cfg['bn2']}" if cfg.get("bn2") else "")
+    """A config as a cell label: form + bm, tiles, then only the modes that are on."""
+    lines = [f"{'F' if cfg['form'] == 'fused' else 'T'}{cfg['bm']}", f"{cfg['bn']}x{cfg['bk']}"]
+    if cfg["split_k"] > 1:
+        lines.append(f"k{cfg['split_k']}")
+    if cfg["group_m"] > 1:
+        lines.append(f"g{cfg['group_m']}")
+    if cfg.get("bn2"):  # (tables written before bn2 existed have no such key)
+        lines.append(f"n{cfg['bn2']}")
+    return "\n".join(lines)
 
 
 def _winners_figure(table, rows, shapes, device, path: Path) -> Path:
