@@ -54,3 +54,47 @@ def test_router_matches_float64_routing():
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(w.double(), ref_w, rtol=1e-5, atol=1e-6)
     assert torch.allclose(w.sum(1), torch.ones(200))
+
+
+# -- a quantizing dispatcher: FP8 tokens reach the experts with their scales ------------------
+
+FP8_SHAPE = MoEShape("tiny-fp8-wire", num_experts=8, top_k=3, hidden=64, intermediate=48)
+FP8_GROUP, FP8_MAX_M = 16, 12
+
+
+def _fp8_wire_worker(rank, world_size, tokens_per_rank):
+    from moekit.ep import EPLowLatencyAllToAll
+
+    shape = FP8_SHAPE
+    weights = MoEWeights.random(shape, seed=12)
+    ll = EPLowLatencyAllToAll(FP8_MAX_M, shape.hidden, shape.top_k, shape.num_experts, fp8_group_size=FP8_GROUP,
+                              dtype=torch.float32, online_fp8=True)
+    layer = MoELayer(shape, weights, dispatcher=ll)
+    x = torch.randn(tokens_per_rank[rank], shape.hidden, generator=torch.Generator().manual_seed(200 + rank)) * 3
+    ids, w = layer.router(x)
+    y = layer(x, ids, w)
+    ll.finalize()
+    return dict(x=x, y=y, ids=ids, w=w)
+
+
+def test_layer_with_an_fp8_dispatcher_dequantizes_the_tokens():
+    """The low-latency layer sends e4m3 tokens + group scales; the torch experts must apply the
+    scales. Reference: the float64 block on the tokens as quantized by the wire."""
+    from moekit.fp8 import dequantize_groups, quantize_groups
+
+    results = launch(_fp8_wire_worker, 2, [FP8_MAX_M, 7], backend="gloo")
+    weights = MoEWeights.random(FP8_SHAPE, seed=12).to(torch.float64)
+    for r in results:
+        xq = dequantize_groups(*quantize_groups(r["x"], FP8_GROUP))
+        assert not torch.equal(xq, r["x"])  # the wire really rounds
+        ref = reference_moe(xq, weights, r["ids"], r["w"])
+        err = ((r["y"].double() - ref).norm() / ref.norm()).item()
+        assert err < REL_TOL, err
+
+
+def test_layer_rejects_an_unknown_expert_kind():
+    shape = SHAPES[0]
+    with pytest.raises(ValueError, match="experts must be one of"):
+        MoELayer(shape, MoEWeights.random(shape, seed=1), experts="cutlass")
+    with pytest.raises(ValueError, match="kernel_config is for the fused experts"):
+        MoELayer(shape, MoEWeights.random(shape, seed=1), kernel_config=object())

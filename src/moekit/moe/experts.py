@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moekit.fp8 import FP8_DTYPE, dequantize_groups
 from moekit.shapes import MoEShape
 
 
@@ -66,21 +67,43 @@ class MoEWeights:
                           cast(self.w2), cast(self.shared_w13), cast(self.shared_w2))
 
 
+def check_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Stacked SwiGLU expert weights: w13 [E, 2N, H] and w2 [E, H, N] that agree on E, N and H."""
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
+        raise ValueError(f"w13 must be [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    if w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on H or N")
+
+
+def check_expert_tokens(tokens: torch.Tensor, scales: torch.Tensor | None, num_experts: int, hidden: int) -> None:
+    """A Dispatcher's received tokens [E_local, capacity, H]; FP8 tokens come with their group
+    scales [E_local, capacity, H / group] (and only FP8 tokens do)."""
+    if tokens.dim() != 3 or tokens.shape[0] != num_experts or tokens.shape[2] != hidden:
+        raise ValueError(f"tokens must be [E_local={num_experts}, capacity, H={hidden}], got {tuple(tokens.shape)}")
+    if tokens.dtype == FP8_DTYPE:
+        if scales is None:
+            raise ValueError(f"scales are required with {FP8_DTYPE} tokens: float32 [E_local, capacity, H / group]")
+        if scales.dim() != 3 or scales.shape[:2] != tokens.shape[:2] or not scales.shape[2] \
+                or hidden % scales.shape[2]:
+            raise ValueError(f"scales {tuple(scales.shape)} do not tile tokens {tuple(tokens.shape)} in groups")
+    elif scales is not None:
+        raise ValueError(f"scales are only for {FP8_DTYPE} tokens; the tokens are {tokens.dtype}")
+
+
 class SwiGLUExperts(nn.Module):
     """The experts of one rank, run on the expert-major layout a Dispatcher returns.
 
-    ``forward(tokens[E_local, capacity, H], counts[E_local])`` -> [E_local, capacity, H].
-    Rows at or past ``counts[e]`` are padding; their outputs are unspecified and no
-    combine reads them. This is the plain-torch expert compute (batched matmuls); the fused
-    Triton kernel is the fast one.
+    ``forward(tokens[E_local, capacity, H], counts[E_local], scales=None)`` ->
+    [E_local, capacity, H] in the weights' dtype. Rows at or past ``counts[e]`` are padding;
+    their outputs are unspecified and no combine reads them. FP8 tokens (a quantizing
+    dispatcher's) come with their per-group ``scales`` and are dequantized first. This is the
+    plain-torch expert compute (batched matmuls); :class:`moekit.moe.FusedExperts` runs the
+    fused Triton kernel.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         super().__init__()
-        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
-            raise ValueError(f"w13 must be [E, 2N, H] and w2 [E, H, N], got {tuple(w13.shape)} and {tuple(w2.shape)}")
-        if w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
-            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on H or N")
+        check_expert_weights(w13, w2)
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
 
@@ -88,11 +111,10 @@ class SwiGLUExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.dim() != 3 or tokens.shape[0] != self.num_experts or tokens.shape[2] != self.w13.shape[2]:
-            raise ValueError(
-                f"tokens must be [E_local={self.num_experts}, capacity, H={self.w13.shape[2]}], "
-                f"got {tuple(tokens.shape)}"
-            )
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
+        check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
+        if scales is not None:
+            tokens = dequantize_groups(tokens, scales, self.w13.dtype)
         h = torch.bmm(tokens.to(self.w13.dtype), self.w13.transpose(1, 2))
         return torch.bmm(swiglu(h), self.w2.transpose(1, 2))

@@ -8,8 +8,11 @@ from torch import nn
 from moekit.ep.alltoall import AllToAllDispatcher
 from moekit.ep.dispatcher import Dispatcher
 from moekit.moe.experts import MoEWeights, SwiGLUExperts, expert_mlp
+from moekit.moe.fused_experts import FusedExperts
 from moekit.moe.router import TopKRouter
 from moekit.shapes import MoEShape
+
+EXPERT_KINDS = ("torch", "fused", "fused_fp8")  # MoELayer(experts=...)
 
 
 class MoELayer(nn.Module):
@@ -21,10 +24,18 @@ class MoELayer(nn.Module):
     the dtype of the expert weights. ``weights`` are the full block's weights, identical on every rank (build
     them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to the eager
     all-to-all over the default process group (or a single process when there is none).
+
+    ``experts`` picks the expert compute: ``"torch"`` (batched matmuls,
+    :class:`SwiGLUExperts`), ``"fused"`` (the fused Triton kernel, :class:`FusedExperts`) or
+    ``"fused_fp8"`` (its W8A8 form, the local experts' weights quantized to e4m3 at
+    construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`
+    (None: its default). FP8 tokens from a quantizing dispatcher reach the experts with their
+    scales: the W8A8 kernel takes them as they are, the others dequantize them.
     """
 
     def __init__(self, shape: MoEShape, weights: MoEWeights, *, dispatcher: Dispatcher | None = None,
-                 rank: int | None = None, world_size: int | None = None, renormalize: bool = True):
+                 rank: int | None = None, world_size: int | None = None, renormalize: bool = True,
+                 experts: str = "torch", kernel_config=None):
         super().__init__()
         self.dispatcher = dispatcher or AllToAllDispatcher(shape.num_experts, hidden=shape.hidden,
                                                            top_k=shape.top_k)
@@ -39,7 +50,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(shape.hidden, shape.num_experts, shape.top_k,
                                  renormalize=renormalize, weight=weights.router, device=weights.w13.device)
         lo = rank * E_local
-        self.experts = SwiGLUExperts(weights.w13[lo:lo + E_local].clone(), weights.w2[lo:lo + E_local].clone())
+        self.experts = _make_experts(experts, kernel_config, weights.w13[lo:lo + E_local].clone(),
+                                     weights.w2[lo:lo + E_local].clone())
         self.register_buffer("shared_w13", weights.shared_w13)
         self.register_buffer("shared_w2", weights.shared_w2)
 
@@ -51,11 +63,21 @@ class MoELayer(nn.Module):
         if topk_ids is None:
             topk_ids, topk_weights = self.router(x)
         dispatched = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        expert_out = self.experts(dispatched.tokens, dispatched.counts)
+        expert_out = self.experts(dispatched.tokens, dispatched.counts, dispatched.scales)
         y = self.dispatcher.combine(expert_out, dispatched)
         if self.shared_w13 is not None:
             y = y + expert_mlp(x, self.shared_w13, self.shared_w2).to(y.dtype)
         return y
+
+
+def _make_experts(kind: str, kernel_config, w13: torch.Tensor, w2: torch.Tensor) -> nn.Module:
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {kind!r}")
+    if kind == "torch":
+        if kernel_config is not None:
+            raise ValueError("kernel_config is for the fused experts (experts='fused' or 'fused_fp8')")
+        return SwiGLUExperts(w13, w2)
+    return FusedExperts(w13, w2, config=kernel_config, fp8=kind == "fused_fp8")
 
 
 def _agree(name: str, given: int | None, from_dispatcher: int | None) -> int:

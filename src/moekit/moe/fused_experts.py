@@ -1,0 +1,85 @@
+"""The experts of one rank through the fused Triton kernel (``moekit.kernels``).
+
+A drop-in for :class:`~moekit.moe.experts.SwiGLUExperts` in :class:`~moekit.moe.MoELayer`
+(``experts="fused"`` / ``"fused_fp8"``): same call on a Dispatcher's expert-major layout,
+one kernel family for the up-projection, SwiGLU and the down-projection.
+
+``moekit.kernels`` is imported when the first instance is built, not with this module: its
+kernels are decorated at import, and on a machine without a GPU that has to happen under
+Triton's interpreter (``TRITON_INTERPRET=1``), which the caller sets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.fp8 import FP8_DTYPE, dequantize_groups, quantize_blocks
+from moekit.moe.experts import check_expert_tokens, check_expert_weights
+
+FP8_BLOCK = 128  # weight scale blocks (128 x 128) and activation groups (1 x 128) of the W8A8 kernel
+
+
+class FusedExperts(nn.Module):
+    """``forward(tokens[E_local, capacity, H], counts[E_local], scales=None)`` ->
+    ``[E_local, capacity, H]`` in the dtype of the weights as given.
+
+    Row r of expert e is expert_e(tokens[e, r]) for r < counts[e] (unweighted: the
+    dispatcher's combine applies the routing weights in slot order) and zero past it.
+
+    * ``fp8=False``: the bf16 / fp16 / fp32 kernel on weights in their dtype. FP8 tokens (a
+      quantizing dispatcher's) are dequantized with their ``scales`` first, since this kernel
+      takes tokens and weights in one dtype.
+    * ``fp8=True``: W8A8 with block scales. The weights are quantized once, here, to e4m3 in
+      128 x 128 blocks (:func:`moekit.fp8.quantize_blocks`); FP8 tokens go into the kernel
+      with their scales as they are (no dequantize/requantize round trip), other tokens are
+      quantized per 128 columns by the kernel's prologue. H and N must be multiples of 128.
+
+    ``config``: a :class:`moekit.kernels.KernelConfig`, or None for the kernel's default for
+    the capacity (an FP8-valid one when ``fp8``). The call reads nothing back to the host, so
+    it can be captured in a CUDA graph.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, config=None, fp8: bool = False):
+        super().__init__()
+        check_expert_weights(w13, w2)
+        from moekit import kernels  # see the module docstring
+
+        if not kernels.HAVE_TRITON:
+            raise RuntimeError("FusedExperts needs Triton: pip install 'moekit[triton]'")
+        if config is not None and not isinstance(config, kernels.KernelConfig):
+            raise ValueError(f"config must be a moekit.kernels.KernelConfig or None, got {type(config).__name__}")
+        if not isinstance(fp8, bool):
+            raise ValueError(f"fp8 must be a bool, got {fp8!r}")
+        self._kernel = kernels.fused_moe_expert_major
+        self.config = config
+        self.fp8 = fp8
+        self.out_dtype = w13.dtype
+        if fp8:
+            H, N = w2.shape[1], w2.shape[2]
+            if H % FP8_BLOCK or N % FP8_BLOCK:
+                raise ValueError(f"fp8=True needs H and N to be multiples of {FP8_BLOCK}, got H={H}, N={N}")
+            (w13, w13_scale), (w2, w2_scale) = quantize_blocks(w13, FP8_BLOCK), quantize_blocks(w2, FP8_BLOCK)
+            self.register_buffer("w13_scale", w13_scale)
+            self.register_buffer("w2_scale", w2_scale)
+        else:
+            self.w13_scale = self.w2_scale = None
+        self.register_buffer("w13", w13.contiguous())
+        self.register_buffer("w2", w2.contiguous())
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
+        if self.fp8:
+            if tokens.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
+                tokens, scales = tokens.to(self.out_dtype), None
+            out = self._kernel(tokens, counts, self.w13, self.w2, self.config, w13_scale=self.w13_scale,
+                               w2_scale=self.w2_scale, token_scales=scales)
+        else:
+            if scales is not None:
+                tokens = dequantize_groups(tokens, scales, self.out_dtype)
+            out = self._kernel(tokens.to(self.out_dtype), counts, self.w13, self.w2, self.config)
+        return out.to(self.out_dtype)
