@@ -5,7 +5,9 @@ The kernel runs one CTA per block of ``bm`` rows of one expert. Alignment produc
 * ``sorted_ids[capacity]`` int32: pair ids ``token * K + slot`` grouped by expert (experts in
   increasing order, pairs inside an expert by (token, slot)), each expert's segment padded with
   the sentinel ``M * K`` up to a multiple of ``bm``; everything past the real end is sentinel;
-* ``block_expert[capacity // bm]`` int32: the expert of each block, -1 past the real end;
+* ``block_expert[capacity // bm]`` int32: the expert of each block, -1 past the real end
+  (and, in :func:`align_expert_major`'s fixed layout, on blocks with no valid row): a block
+  with -1 exits at once;
 * ``num_padded[1]`` int32: the real padded length (a multiple of ``bm``).
 
 Everything stays on the device and no size depends on the routing: ``capacity`` is the upper
@@ -57,7 +59,7 @@ class Alignment:
     """The padded expert-grouped row order the kernel walks (see the module docstring)."""
 
     sorted_ids: torch.Tensor  # [capacity] int32, pair ids; sentinel = num_pairs
-    block_expert: torch.Tensor  # [capacity // bm] int32, -1 past the real end
+    block_expert: torch.Tensor  # [capacity // bm] int32, -1 where the block has no work
     num_padded: torch.Tensor  # [1] int32
     bm: int
     num_pairs: int  # M*K (or E*capacity in expert-major): the sentinel value
@@ -342,8 +344,10 @@ def align_expert_major(counts: torch.Tensor, capacity: int, bm: int) -> Alignmen
 
     Row ``r`` of expert ``e`` is pair id ``e * capacity + r``. Each expert gets
     ``ceil(capacity / bm)`` blocks whether it uses them or not (the buffer is sized for the
-    worst case anyway); rows at or past ``counts[e]`` are sentinels, so their blocks do no
-    loads and no stores, and fully empty blocks exit early.
+    worst case anyway); rows at or past ``counts[e]`` are sentinels. A block with no valid
+    row gets expert -1, so the kernels exit at once there instead of streaming the expert's
+    weights for nothing (after a dispatcher most blocks are empty: at decode a rank's
+    receive buffer holds a few rows for a few of its experts).
     """
     if counts.dim() != 1:
         raise ValueError(f"counts must be [E_local], got shape {tuple(counts.shape)}")
@@ -353,8 +357,10 @@ def align_expert_major(counts: torch.Tensor, capacity: int, bm: int) -> Alignmen
     num_pairs = E * capacity
     rows = torch.arange(per_expert, device=device)
     ids = torch.arange(E, device=device).unsqueeze(1) * capacity + rows
-    valid = rows < counts.to(torch.int64).clamp(max=capacity).unsqueeze(1)
-    sorted_ids = torch.where(valid, ids, torch.full_like(ids, num_pairs)).reshape(-1).to(torch.int32)
-    block_expert = torch.arange(E, device=device, dtype=torch.int32).repeat_interleave(per_expert // bm)
+    used = counts.to(torch.int64).clamp(max=capacity).unsqueeze(1)
+    sorted_ids = torch.where(rows < used, ids, torch.full_like(ids, num_pairs)).reshape(-1).to(torch.int32)
+    block_rows = torch.arange(0, per_expert, bm, device=device)  # each block's first row
+    experts = torch.arange(E, device=device).unsqueeze(1)
+    block_expert = torch.where(block_rows < used, experts, -1).reshape(-1).to(torch.int32)
     num_padded = torch.full((1,), E * per_expert, dtype=torch.int32, device=device)
     return Alignment(sorted_ids, block_expert, num_padded, bm, num_pairs)
