@@ -1,10 +1,11 @@
 """Developer probe: one MoE layer end to end on 2 GPUs, by expert compute (not the dataset).
 
-``MoELayer`` over the low-latency layer (FP8 wire, bf16 combine) for a model shape, at a few
-tokens per rank, with each expert compute: ``torch`` (batched matmuls over the whole
-receive buffer), ``fused`` (the Triton kernel, bf16 weights) and ``fused_fp8`` (W8A8, the
-FP8 tokens taken as they arrive). Also the layer's communication alone: dispatch and combine
-with a stand-in expert output (a fixed bf16 buffer), so the difference is the experts' time.
+``MoELayer`` over the low-latency layer (bf16 combine) for a model shape, at a few tokens per
+rank: on the FP8 wire with ``torch`` experts (batched matmuls over the whole receive buffer,
+after dequantizing it) and ``fused_fp8`` (W8A8, the FP8 tokens taken as they arrive); on the
+bf16 wire with ``torch`` and ``fused`` (the Triton kernel, bf16 weights). Also each wire's
+communication alone: dispatch and combine with a stand-in expert output (a fixed bf16
+buffer), so the difference is the experts' time.
 
 Each variant's forward (routing given, uniform, new per T) is captured in one CUDA graph;
 its replays are timed with ``moekit.bench.timing.time_distributed`` (ranks aligned before each
@@ -22,7 +23,8 @@ import statistics
 
 import torch
 
-KINDS = ("comm-only", "torch", "fused", "fused_fp8")
+VARIANTS = (("fp8", "comm-only"), ("fp8", "torch"), ("fp8", "fused_fp8"),
+            ("bf16", "comm-only"), ("bf16", "torch"), ("bf16", "fused"))  # (wire, expert compute)
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -36,31 +38,36 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     shape = get_shape(args.shape)
     max_m = max(args.tokens)
     weights = MoEWeights.random(shape, seed=0, dtype=torch.bfloat16, device=device)
-    ll = EPLowLatencyAllToAll(max_m, shape.hidden, shape.top_k, shape.num_experts, dtype=torch.bfloat16,
-                              online_fp8=True)
-    layers = {kind: MoELayer(shape, weights, dispatcher=ll, experts=kind) for kind in KINDS[1:]}
+    wires = {wire: EPLowLatencyAllToAll(max_m, shape.hidden, shape.top_k, shape.num_experts,
+                                        dtype=torch.bfloat16, online_fp8=wire == "fp8") for wire in ("fp8", "bf16")}
+    layers = {(wire, kind): MoELayer(shape, weights, dispatcher=wires[wire], experts=kind)
+              for wire, kind in VARIANTS if kind != "comm-only"}
+    ll = wires["fp8"]
     stand_in = torch.randn(ll.experts_per_rank, ll.capacity, shape.hidden, device=device, dtype=torch.bfloat16)
     rows = []
     for T in args.tokens:
         x = torch.randn(T, shape.hidden, device=device, dtype=torch.bfloat16)
         ids, w = synthetic_routing(T, shape.num_experts, shape.top_k, seed=100 * T + rank)
         ids, w = ids.to(device), w.to(device)
-        for kind in KINDS:
+        for wire, kind in VARIANTS:
             if kind == "comm-only":
-                def step():
+                def step(ll=wires[wire]):
                     return ll.combine(stand_in, ll.dispatch(x, ids, w))
             else:
-                def step(layer=layers[kind]):
+                def step(layer=layers[wire, kind]):
                     return layer(x, ids, w)
             graph = capture_graph(step, warmup=3)
             times = time_distributed(graph.replay, iters=args.iters, warmup=args.warmup).max_us
             times.sort()
-            row = dict(T=T, kind=kind, median_us=statistics.median(times), p95_us=times[int(0.95 * (len(times) - 1))])
+            row = dict(T=T, wire=wire, kind=kind, median_us=statistics.median(times),
+                       p95_us=times[int(0.95 * (len(times) - 1))])
             rows.append(row)
             if rank == 0:
-                print(f"T={T:4d} {kind:10s} median {row['median_us']:8.1f} us  p95 {row['p95_us']:8.1f} us", flush=True)
+                print(f"T={T:4d} {wire:4s} wire {kind:10s} median {row['median_us']:8.1f} us  "
+                      f"p95 {row['p95_us']:8.1f} us", flush=True)
             del graph
-    ll.finalize()
+    for ll in wires.values():
+        ll.finalize()
     return dict(rows=rows, device=torch.cuda.get_device_name(device))
 
 
@@ -79,12 +86,12 @@ def main() -> None:
     result = launch(_worker, 2, args, backend="nccl", timeout_s=1200)[0]
     record = dict(shape=args.shape, world_size=2, commit=os.environ.get("MOEKIT_GIT_COMMIT", "unknown"),
                   torch=torch.__version__, iters=args.iters, **result)
-    print(f"\n{args.shape}, 2 ranks, {result['device']}: MoELayer forward over the low-latency layer "
-          f"(FP8 wire), one CUDA graph, slowest rank, µs")
-    print(f"{'T':>5} " + " ".join(f"{k:>12}" for k in KINDS))
+    print(f"\n{args.shape}, 2 ranks, {result['device']}: MoELayer forward over the low-latency layer, "
+          f"one CUDA graph, slowest rank, median µs")
+    print(f"{'T':>5} " + " ".join(f"{wire + ':' + kind:>15}" for wire, kind in VARIANTS))
     for T in args.tokens:
-        cells = {r["kind"]: r["median_us"] for r in result["rows"] if r["T"] == T}
-        print(f"{T:>5} " + " ".join(f"{cells[k]:12.1f}" for k in KINDS))
+        cells = {(r["wire"], r["kind"]): r["median_us"] for r in result["rows"] if r["T"] == T}
+        print(f"{T:>5} " + " ".join(f"{cells[v]:15.1f}" for v in VARIANTS))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -184,7 +184,6 @@ def test_expert_major(weights, cfg, prequantized):
         if n:
             plain, emu = weights.expert(e, xd[e, :n], False), weights.expert(e, xd[e, :n], True)
             _record(f"expert_major/{tag}", f"{_cid(cfg)}/e{e}", _errors(y[e, :n], plain, emu))
-        assert (y[e, n:] == 0).all()
 
 
 @pytest.mark.parametrize("form", ["two_launch", "two_launch_sk1", "fused"])

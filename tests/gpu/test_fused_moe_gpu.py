@@ -111,7 +111,6 @@ def test_expert_major_bf16(form):
         if n:
             ref = expert_mlp(tokens[e, :n].double(), w.w13[e].double(), w.w2[e].double())
             assert ((y[e, :n].double() - ref).norm() / ref.norm()).item() < 1e-2
-        assert (y[e, n:] == 0).all()
 
 
 @pytest.mark.parametrize("form", ["two_launch", "two_launch_sk1", "fused"])

@@ -2,8 +2,9 @@
 
 1. One GPU: ``FusedExperts`` on a Dispatcher's expert-major layout (bf16: relative error
    < 1e-2; W8A8 on the weights it quantizes: ``calc_diff`` < 1e-3 against the dequantized
-   weights), with bf16 tokens and with e4m3 tokens + group scales; rows past the counts are
-   zero. ``MoELayer(experts="fused")`` over the single-process all-to-all.
+   weights), with bf16 tokens and with e4m3 tokens + group scales, on the valid rows (rows
+   past the counts are unspecified). ``MoELayer(experts="fused")`` over the single-process
+   all-to-all.
 2. Two GPUs (NCCL): ``MoELayer`` over the low-latency layer with the FP8 wire, with each expert
    compute (``torch`` dequantizes the tokens, ``fused`` too, ``fused_fp8`` takes them as they
    are), against the float64 block on the tokens as the wire quantized them; then the whole
@@ -72,7 +73,6 @@ def test_fused_experts_on_the_gpu(fp8, fp8_tokens):
     assert out.dtype == torch.bfloat16
     valid, ref = [], []
     for e, c in enumerate(counts.tolist()):
-        assert torch.equal(out[e, c:], torch.zeros_like(out[e, c:])), f"expert {e}: rows past the count"
         valid.append(out[e, :c])
         ref.append(expert_mlp(x[e, :c].double(), ref_w.w13[e].double(), ref_w.w2[e].double()))
     valid, ref = torch.cat(valid), torch.cat(ref)

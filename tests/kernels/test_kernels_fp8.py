@@ -308,7 +308,6 @@ def test_expert_major(case, form, prequantized):
         if n:
             assert _rel(y[e, :n], case.expert(e, xd[e, :n], True)) < 1e-2
             assert calc_diff(y[e, :n], case.expert(e, xd[e, :n], False)) < CALC_DIFF_MAX
-        assert (y[e, n:] == 0).all()  # rows past counts[e] are never written
 
 
 # --- bad input --------------------------------------------------------------------------------

@@ -284,7 +284,6 @@ def test_expert_major(form, dtype):
         if n:
             ref = expert_mlp(tokens[e, :n].double(), w.w13[e].double(), w.w2[e].double())
             assert _rel_err(y[e, :n], ref) < TOL[dtype]
-        assert (y[e, n:] == 0).all()  # padding rows are never written
 
 
 def test_bad_inputs():

@@ -369,11 +369,14 @@ if HAVE_TRITON:
         OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, ATOMIC: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
+        ATOMIC: add into the zeroed float32 output (a token's K slots, or split-K shares, meet
+        there); without it every output row has this CTA as its only writer (the expert-major
+        layout without split-K), and the tile is stored in the output's dtype.
         FP8: see ``_down_tile``."""
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -393,7 +396,10 @@ if HAVE_TRITON:
         if MUL_WEIGHT:
             acc = acc * w[:, None]
         o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
-        tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
+        if ATOMIC:
+            tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
+        else:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
 
     @triton.jit
     def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
@@ -892,7 +898,9 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
     the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
     decode schedule (``_decode_schedule``), the kernels add into a zeroed float32 buffer with
-    atomics, cast once at the end.
+    atomics, cast once at the end; and except for the expert-major layout (``weights`` None)
+    with two_launch and split_k = 1, whose GEMM2 stores each row once in ``out_dtype`` (rows
+    of no block, past the counts, are then left unwritten).
     """
     H = x2d.shape[1]
     N = w2.shape[2]
@@ -901,7 +909,10 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     decode = _decode_schedule(config, al)
     if num_m == 0:
         return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
-    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
+    # One writer per output row: no float32 buffer to zero and no cast (a zero-fill and a cast
+    # of the whole [E_local * capacity, H] layout would cost more than the experts at decode).
+    stored = weights is None and config.form == "two_launch" and config.split_k == 1
+    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode or stored
            else torch.zeros(out_rows, H, dtype=torch.float32, device=device))
     fp8 = scales is not None
     prec = _precision(x2d.dtype)
@@ -978,7 +989,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
-        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
+        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, ATOMIC=not stored, **launch,
     )
     return out.to(out_dtype)
 
@@ -1124,7 +1135,12 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
 
     Row r of expert e gets expert_e(tokens[e, r]) for r < counts[e], unweighted (the
     dispatcher's combine applies the routing weights in slot order). Rows at or past counts[e]
-    are zero. float32 accumulation, cast once to the tokens' dtype.
+    are unspecified, as the dispatcher's own rows there (no combine reads them; zeroing them
+    would cost a pass over the whole layout). float32 accumulation, cast once to the tokens'
+    dtype. After a dispatcher, two_launch with split_k = 1 (the default) is the form whose
+    cost follows the valid rows: its blocks with no valid row exit at once and GEMM2 stores
+    each row once; the fused form and split-K add into a zeroed float32 copy of the whole
+    layout and cast it.
 
     FP8 W8A8: weights and scales as for :func:`fused_moe`. tokens either 16/32-bit (quantized
     here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
@@ -1143,7 +1159,7 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
         raise ValueError(f"tokens has E_local={E} experts but the weights have {E_w}")
     if counts.dim() != 1 or counts.shape[0] != E or counts.device != tokens.device:
         raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
-    if config is None:
+    if config is None:  # two_launch, split_k = 1 (see above)
         bm = 64 if cap >= 64 else 16
         config = KernelConfig(bm=bm, bn=128, bk=128) if fp8 else KernelConfig(bm=bm, bn=64, bk=64)
     if fp8:
