@@ -68,8 +68,9 @@ def _warm(task) -> str | None:
         from moekit.shapes import get_shape
 
         shape = get_shape(shape_name)
-        inp = _inputs(shape.scaled(num_experts=4), torch.device("cuda"), precision)
-        counts = torch.tensor([3, 0, 1, 2], device="cuda")
+        small = shape.scaled(num_experts=2 * shape.top_k)  # E_local = top_k experts
+        inp = _inputs(small, torch.device("cuda"), precision)
+        counts = torch.arange(small.num_experts // WORLD, device="cuda") % 3
         fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], cfg, **inp["kw"])
         torch.cuda.synchronize()
         return None
