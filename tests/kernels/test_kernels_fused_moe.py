@@ -271,7 +271,7 @@ def test_zero_tokens():
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_expert_major(form, dtype):
-    E, cap, H, N = 3, 21, SHAPE.hidden, SHAPE.intermediate
+    E, cap, H = 3, 21, SHAPE.hidden
     w = MoEWeights.random(SHAPE.scaled(num_experts=E), seed=6, dtype=dtype)
     g = torch.Generator().manual_seed(7)
     tokens = torch.randn(E, cap, H, generator=g).to(dtype)
