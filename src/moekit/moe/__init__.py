@@ -7,6 +7,6 @@ from moekit.moe.reference import reference_moe, reference_routing, reference_slo
 from moekit.moe.router import TopKRouter, softmax_topk
 
 __all__ = [
-    "EXPERT_KINDS", "FusedExperts", "MoELayer", "MoEWeights", "SwiGLUExperts", "TopKRouter", "expert_mlp", "reference_moe",
-    "reference_routing", "reference_slot_sum", "softmax_topk", "swiglu",
+    "EXPERT_KINDS", "FusedExperts", "MoELayer", "MoEWeights", "SwiGLUExperts", "TopKRouter", "expert_mlp",
+    "reference_moe", "reference_routing", "reference_slot_sum", "softmax_topk", "swiglu",
 ]
