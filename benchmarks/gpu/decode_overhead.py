@@ -117,7 +117,7 @@ def main() -> int:
                     fm_module._persistent_decode_kernel = real
         numel = work["bytes"] // 2
         src = torch.randn(numel, device=dev, dtype=torch.bfloat16)
-        grid = max(fm_module._PERSISTENT_GRIDS.values(), default=2 * sms)  # the persistent kernel's
+        grid = max(fm_module._RESIDENT_GRIDS.values(), default=2 * sms)  # the persistent kernel's
         for block, g in ((8192, grid), (8192, triton.cdiv(numel, 8192)), (4096, grid)):
             key = f"stream-b{block}-g{g}"
             row["us"][key] = median_us(lambda: _stream_kernel[(g,)](src, one, numel, BLOCK=block, num_warps=4),

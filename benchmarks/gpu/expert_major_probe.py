@@ -9,7 +9,10 @@ others add into a zeroed float32 copy of the whole layout) is timed as the bench
 (CUDA-graph replay, a 256 MB L2 flush before each, median), in bf16 (bf16 tokens and
 weights) and in FP8 W8A8 (e4m3 tokens + group scales, as the FP8 wire delivers them). Printed
 per (load, precision): the best configs, the default's time and the weight bytes of the
-touched experts over the best time.
+touched experts over the best time. The default config is also timed through the token path's
+kernels over ``align_expert_major``'s fixed block table (``aligned-default``: one program per
+possible block, empty ones exiting, atomics into a zeroed float32 copy), the schedule before
+the live-block kernels of ``moekit.kernels.expert_major``, as an A/B in the same process.
 
     PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b]
 """
@@ -58,6 +61,27 @@ def _inputs(shape, dev, precision: str):
     (q13, s13), (q2, s2) = quantize_blocks(w13, 128), quantize_blocks(w2, 128)
     tq, ts = quantize_groups(tokens, 128)
     return dict(tokens=tq, w13=q13, w2=q2, kw=dict(w13_scale=s13, w2_scale=s2, token_scales=ts))
+
+
+def _aligned_call(inp, counts, precision: str):
+    """The default config through ``fused_moe._run`` over ``align_expert_major`` (the A/B)."""
+    from moekit.kernels import align_expert_major, expert_major_default
+    from moekit.kernels import fused_moe as fm
+
+    tokens = inp["tokens"]
+    E, cap, H = tokens.shape
+    cfg = expert_major_default(cap, precision == "fp8")
+    scales = None
+    if precision == "fp8":
+        kw = inp["kw"]
+        scales = (kw["token_scales"].reshape(E * cap, H // 128), kw["w13_scale"], kw["w2_scale"])
+    out_dtype = torch.bfloat16
+
+    def call():
+        al = align_expert_major(counts, cap, cfg.bm)
+        return fm._run(tokens.reshape(E * cap, H), inp["w13"], inp["w2"], None, al, E * cap, out_dtype,
+                       a_div=1, out_div=1, config=cfg, scales=scales)
+    return call
 
 
 def _warm(task) -> str | None:
@@ -111,14 +135,19 @@ def main() -> None:
                     times["default" if cfg is None else config_id(cfg)] = median_us(call, flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} {cfg}: {type(error).__name__}: {str(error)[:200]}")
-            ranked = sorted((us, cid) for cid, us in times.items() if cid != "default")
+            try:
+                times["aligned-default"] = median_us(_aligned_call(inp, counts, precision), flusher, args.iters)
+            except Exception as error:  # noqa: BLE001
+                errors.append(f"{precision} {name} aligned-default: {type(error).__name__}: {str(error)[:200]}")
+            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("default", "aligned-default"))
             best_us, best = ranked[0]
             gbps = touched * per_expert * elem[precision] / (best_us * 1e3)
             rows.append(dict(load=name, T=T, zipf=zipf, precision=precision, rows=int(counts.sum()),
                              max_rows=int(counts.max()), touched=touched, times=times))
             print(f"{precision:4s} {name:13s} rows {int(counts.sum()):5d} (max {int(counts.max()):3d}) "
                   f"experts {touched:3d}: best {best} {best_us:7.1f} us ({gbps:6.0f} GB/s = "
-                  f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us; "
+                  f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
+                  f"(aligned {times.get('aligned-default', float('nan')):7.1f}); "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)
 

@@ -286,19 +286,6 @@ def test_expert_major(form, dtype):
             assert _rel_err(y[e, :n], ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("capacity", [1, 63, 64, 512])
-def test_expert_major_default_is_in_every_presets_space(fp8, capacity):
-    from moekit.kernels import config_space, expert_major_default
-    from moekit.shapes import PRESETS
-
-    cfg = expert_major_default(capacity, fp8)
-    assert cfg.form == "two_launch" and cfg.split_k == 1  # the stored path (one writer per row)
-    assert cfg.bm == (16 if capacity < 64 else 64)
-    for shape in PRESETS.values():
-        assert cfg in config_space(shape, None, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16), shape.name
-
-
 def test_bad_inputs():
     w = MoEWeights.random(SHAPE, dtype=torch.float16)
     x = torch.randn(4, SHAPE.hidden, dtype=torch.float16)

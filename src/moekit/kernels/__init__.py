@@ -6,7 +6,8 @@
 from moekit.kernels.align import (Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks,
                                   padded_capacity)
 from moekit.kernels.configs import KernelConfig, config_space, default_config
-from moekit.kernels.fused_moe import HAVE_TRITON, expert_major_default, fused_moe, fused_moe_expert_major
+from moekit.kernels.expert_major import expert_major_default, fused_moe_expert_major
+from moekit.kernels.fused_moe import HAVE_TRITON, fused_moe
 
 __all__ = [
     "Alignment", "DirectBlocks", "align_tokens", "direct_blocks", "align_expert_major", "padded_capacity",

@@ -68,7 +68,7 @@ import functools
 
 import torch
 
-from moekit.kernels.align import Alignment, DirectBlocks, align_expert_major, align_tokens, direct_blocks
+from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
 from moekit.kernels.occupancy import resident_ctas_per_sm
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
@@ -369,14 +369,11 @@ if HAVE_TRITON:
         OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, ATOMIC: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
-        ATOMIC: add into the zeroed float32 output (a token's K slots, or split-K shares, meet
-        there); without it every output row has this CTA as its only writer (the expert-major
-        layout without split-K), and the tile is stored in the output's dtype.
         FP8: see ``_down_tile``."""
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -396,10 +393,7 @@ if HAVE_TRITON:
         if MUL_WEIGHT:
             acc = acc * w[:, None]
         o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
-        if ATOMIC:
-            tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+        tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
     def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
@@ -888,6 +882,26 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     return bn, chunk, splits
 
 
+def _scale_args(scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, unused: torch.Tensor):
+    """The kernels' FP8 scale arguments: (x scales, stride), (w13 scales, 3 strides), (w2 scales,
+    3 strides). Without FP8 they are never read: any pointer (``unused``) and zero strides."""
+    if scales is None:
+        return (unused, 0), (unused, 0, 0, 0), (unused, 0, 0, 0)
+    xs, w13s, w2s = scales
+    return (xs, xs.stride(0)), (w13s, *w13s.stride()), (w2s, *w2s.stride())
+
+
+def _intermediate(rows: int, N: int, dtype: torch.dtype, fp8: bool, unused: torch.Tensor):
+    """two_launch's intermediate ``[rows, N]`` (e4m3 under FP8, else ``dtype``) and its scale
+    arguments (FP8: the [rows, N/128] float32 scales and their row stride; else never read).
+    Uninitialised: GEMM1 writes every row of every block it runs, GEMM2 reads only those."""
+    inter = torch.empty(rows, N, dtype=_FP8 if fp8 else dtype, device=unused.device)
+    if not fp8:
+        return inter, (unused, 0)
+    inter_s = torch.empty(rows, N // FP8_GROUP, dtype=torch.float32, device=unused.device)
+    return inter, (inter_s, inter_s.stride(0))
+
+
 def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
          al: Alignment | DirectBlocks, out_rows: int, out_dtype: torch.dtype, a_div: int, out_div: int,
          config: KernelConfig, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -898,9 +912,8 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
     the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
     decode schedule (``_decode_schedule``), the kernels add into a zeroed float32 buffer with
-    atomics, cast once at the end; and except for the expert-major layout (``weights`` None)
-    with two_launch and split_k = 1, whose GEMM2 stores each row once in ``out_dtype`` (rows
-    of no block, past the counts, are then left unwritten).
+    atomics, cast once at the end (``expert_major`` has the expert-major layout's own
+    two_launch kernels, which store each row once).
     """
     H = x2d.shape[1]
     N = w2.shape[2]
@@ -909,10 +922,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     decode = _decode_schedule(config, al)
     if num_m == 0:
         return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
-    # One writer per output row: no float32 buffer to zero and no cast (a zero-fill and a cast
-    # of the whole [E_local * capacity, H] layout would cost more than the experts at decode).
-    stored = weights is None and config.form == "two_launch" and config.split_k == 1
-    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode or stored
+    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
            else torch.zeros(out_rows, H, dtype=torch.float32, device=device))
     fp8 = scales is not None
     prec = _precision(x2d.dtype)
@@ -921,13 +931,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     wptr = weights if mul_weight else out  # any pointer; never read when MUL_WEIGHT is False
     addr, addr_const = al.kernel_args()
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
-    if fp8:
-        xs, w13s, w2s = scales
-        xs_args = (xs, xs.stride(0))
-        w13s_args = (w13s, w13s.stride(0), w13s.stride(1), w13s.stride(2))
-        w2s_args = (w2s, w2s.stride(0), w2s.stride(1), w2s.stride(2))
-    else:  # never read (FP8=False): any pointer and zero strides
-        xs_args, w13s_args, w2s_args = (out, 0), (out, 0, 0, 0), (out, 0, 0, 0)
+    xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     soft = fp8 and _interpreting()
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
@@ -942,12 +946,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
-    inter = torch.empty(al.capacity, N, dtype=_FP8 if fp8 else x2d.dtype, device=device)
-    if fp8:
-        inter_s = torch.empty(al.capacity, N // FP8_GROUP, dtype=torch.float32, device=device)
-        is_args = (inter_s, inter_s.stride(0))
-    else:
-        is_args = (out, 0)
+    inter, is_args = _intermediate(al.capacity, N, x2d.dtype, fp8, out)
     if decode and DECODE_PERSISTENT:
         _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft,
                         xs_args, w13s_args, w2s_args, is_args)
@@ -989,12 +988,28 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
-        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, ATOMIC=not stored, **launch,
+        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
     )
     return out.to(out_dtype)
 
 
-_PERSISTENT_GRIDS: dict[tuple, int] = {}  # _run_persistent's grid per binary
+_RESIDENT_GRIDS: dict[tuple, int] = {}  # resident_grid's answer per binary
+
+
+def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
+    """As many programs of ``kernel`` (compiled for ``args`` and the constexprs / launch options
+    ``const``) as the device's SMs hold at once, at most ``cap`` per SM: the grid of a kernel
+    whose programs loop over work units. The answer depends only on the binary, so it is
+    looked up once per (kernel, device, tensor dtypes, constants): an eager call does not pay
+    the compile-cache lookup twice."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    key = (kernel.fn.__name__, device, dtypes, cap, tuple(sorted(const.items())))
+    grid = _RESIDENT_GRIDS.get(key)
+    if grid is None:
+        compiled = kernel.warmup(*args, grid=(1,), **const)
+        grid = _RESIDENT_GRIDS[key] = _sm_count(device) * resident_ctas_per_sm(compiled, device, cap)
+    return grid
 
 
 def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
@@ -1030,16 +1045,9 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
         launches = [dict(PHASES=1), dict(PHASES=2)]
     else:
         launches = [dict(PHASES=3, launch_cooperative_grid=True)]
-        # The grid depends only on the binary: looked up once per (device, dtypes, constants),
-        # so an eager call does not pay the compile-cache lookup twice.
-        key = (device, x2d.dtype, w13.dtype, inter.dtype, out.dtype, tuple(sorted(const.items())))
-        grid = _PERSISTENT_GRIDS.get(key)
-        if grid is None:
-            sync_type = torch.empty(1, dtype=torch.int32, device=device)
-            compiled = _persistent_decode_kernel.warmup(*args(sync_type, f32, f32), grid=(1,), **launches[0],
-                                                        **const)
-            grid = _PERSISTENT_GRIDS[key] = _sm_count(device) * resident_ctas_per_sm(compiled, device,
-                                                                                  PERSISTENT_CTAS_PER_SM)
+        sync_type = torch.empty(1, dtype=torch.int32, device=device)
+        grid = resident_grid(_persistent_decode_kernel, args(sync_type, f32, f32), {**launches[0], **const},
+                             PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = torch.zeros(1 + grid + tiles2, dtype=torch.int32, device=device)
     part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
@@ -1125,75 +1133,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         al = align_tokens(topk_ids, E, config.bm)
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
     return _run(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales)
-
-
-def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
-    """The config ``fused_moe_expert_major`` runs without one: two_launch with split_k = 1.
-
-    Picked from ``benchmarks/gpu/expert_major_probe.py`` on an H200 (qwen3-30b-a3b, a rank of a
-    2-rank low-latency layer: 64 experts, capacity 256, 9 to 1032 valid rows): these were
-    within 1 % (bf16) and 12 % (FP8) of the best stored-path config at every load; FP8 with
-    4 warps and 3 stages, the earlier default, took 1.5-1.9x the best. Capacities under 64
-    rows take the 16-row block."""
-    if capacity < 64:
-        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3) if fp8 else \
-            KernelConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=4)
-    return KernelConfig(bm=64, bn=128, bk=128, num_warps=8, num_stages=4) if fp8 else \
-        KernelConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
-
-
-def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
-                           w2_local: torch.Tensor, config: KernelConfig | None = None, *,
-                           w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                           token_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts on a Dispatcher's expert-major layout: [E_local, capacity, H] -> same shape.
-
-    Row r of expert e gets expert_e(tokens[e, r]) for r < counts[e], unweighted (the
-    dispatcher's combine applies the routing weights in slot order). Rows at or past counts[e]
-    are unspecified, as the dispatcher's own rows there (no combine reads them; zeroing them
-    would cost a pass over the whole layout). float32 accumulation, cast once to the tokens'
-    dtype. After a dispatcher, two_launch with split_k = 1 (the default) is the form whose
-    cost follows the valid rows: its blocks with no valid row exit at once and GEMM2 stores
-    each row once; the fused form and split-K add into a zeroed float32 copy of the whole
-    layout and cast it.
-
-    FP8 W8A8: weights and scales as for :func:`fused_moe`. tokens either 16/32-bit (quantized
-    here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
-    with ``token_scales`` [E_local, capacity, H/128] float32 (the result is bf16).
-    """
-    _require_triton()
-    if tokens.dim() != 3 or tokens.dtype not in _SUPPORTED + (_FP8,):
-        raise ValueError(f"tokens must be a 3-D {_SUPPORTED + (_FP8,)} tensor [E_local, capacity, H], "
-                         f"got {tuple(tokens.shape)} {tokens.dtype}")
-    E, cap, H = tokens.shape
-    fp8 = _is_fp8_weights(w13_local, w2_local)
-    if tokens.dtype == _FP8 and not fp8:
-        raise ValueError(f"tokens in {_FP8} need FP8 weights (w13_local, w2_local in {_FP8}), got {w13_local.dtype}")
-    E_w, N = _check_weights(w13_local, w2_local, H, _FP8 if fp8 else tokens.dtype, tokens.device)
-    if E_w != E:
-        raise ValueError(f"tokens has E_local={E} experts but the weights have {E_w}")
-    if counts.dim() != 1 or counts.shape[0] != E or counts.device != tokens.device:
-        raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
-    if config is None:
-        config = expert_major_default(cap, fp8)
-    if fp8:
-        _check_fp8_config(config)
-        w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
-        if tokens.dtype == _FP8:
-            _check_scale("token_scales", token_scales, (E, cap, H // FP8_GROUP), tokens.device)
-        elif token_scales is not None:
-            raise ValueError(f"token_scales is only for {_FP8} tokens; the tokens are {tokens.dtype}")
-    else:
-        _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
-    out_dtype = torch.bfloat16 if tokens.dtype == _FP8 else tokens.dtype
-    if not E * cap:
-        return torch.zeros(E, cap, H, dtype=out_dtype, device=tokens.device)
-    a = tokens.contiguous().reshape(E * cap, H)
-    scales = None
-    if fp8:
-        ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
-        a, xs = _fp8_activations(a, ts, "token_scales")
-        scales = (xs, w13_scale, w2_scale)
-    al = align_expert_major(counts, cap, config.bm)
-    out = _run(a, w13_local, w2_local, None, al, E * cap, out_dtype, a_div=1, out_div=1, config=config, scales=scales)
-    return out.reshape(E, cap, H)

@@ -1,0 +1,243 @@
+"""The experts on a Dispatcher's expert-major layout: ``[E_local, capacity, H]`` + ``counts``.
+
+A dispatcher's receive buffer is sized for the worst case: ``capacity`` rows for every local
+expert (the low-latency layer's is ``world * max_m``). At decode most of it is empty: one
+token per rank of deepseek-v3 on 2 ranks leaves about 8 valid rows in 128 x 256. The work
+must therefore follow the valid rows, and the call must not read them back to the host
+(no sync, CUDA-graph capturable).
+
+The default form, two_launch with ``split_k = 1``, runs two persistent kernels that need no
+alignment at all:
+
+* Every program loads ``counts`` (at most a few hundred ints) and numbers the **live blocks**
+  of ``bm`` rows expert after expert: expert ``e`` has ``ceil(counts[e] / bm)`` of them, and a
+  running sum gives where its run starts (``_em_blocks``). Block ``b``'s expert is the number
+  of runs that end at or before ``b`` (``_em_block``).
+* The grid is as many programs as the SMs hold at once, and each program walks the work units
+  ``pid, pid + grid, ...`` up to (live blocks) x (column tiles), a bound it computed itself.
+  Nothing is launched for the empty part of the buffer. (Launching one program per possible
+  block and letting the empty ones exit cost more than the experts: at one token per rank of
+  qwen3-30b-a3b, 64 experts x 4 blocks x 12 tiles = 3072 programs of which 108 had work, the
+  call took ~66 us for 20 us of weights.)
+* GEMM1 (``_em_gemm1_kernel``) writes SwiGLU(x @ w13[e].T) for the live blocks into a compact
+  intermediate (block ``b`` at rows ``b * bm ...``); GEMM2 (``_em_gemm2_kernel``) multiplies it
+  by ``w2[e].T`` and stores each valid row once, in the output dtype, at its place in the
+  layout. Every output row has one writer: no zeroed float32 copy, no atomics, no cast, and
+  the result is deterministic. Rows at or past ``counts[e]`` are not written (unspecified).
+
+The other forms (the fused form, split-K) keep the token path's kernels over
+``align.align_expert_major``'s fixed block table: they add into a zeroed float32 copy of the
+whole layout, so their cost grows with the capacity. They are there for completeness and
+for the tests; after a dispatcher use the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.kernels.align import align_expert_major
+from moekit.kernels.configs import KernelConfig
+from moekit.kernels.fused_moe import (_FP8, _SUPPORTED, HAVE_TRITON, _check_fp8_config, _check_scale,
+                                      _check_weights, _fp8_activations, _fp8_weight_scales, _intermediate,
+                                      _interpreting, _is_fp8_weights, _no_scales, _precision, _require_triton,
+                                      _run, _scale_args, resident_grid)
+from moekit.kernels.quant import FP8_GROUP
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from moekit.kernels.fused_moe import _block_coords, _down_tile, _store_act, _swiglu_tile
+
+    # The counts change every call; their bounds must not select a binary.
+    _NO_SPECIALIZE_EM = ["num_experts", "capacity"]
+
+    @triton.jit
+    def _em_blocks(counts_ptr, num_experts, capacity, BM: tl.constexpr, EP: tl.constexpr):
+        """(valid rows per expert, end of each expert's run of live blocks, number of live
+        blocks): counts clamped to [0, capacity], ends = inclusive cumsum of ceil(rows / BM).
+        EP is a power of two >= num_experts."""
+        e = tl.arange(0, EP)
+        rows = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
+        rows = tl.minimum(tl.maximum(rows, 0), capacity)
+        ends = tl.cumsum((rows + BM - 1) // BM, 0)
+        return rows, ends, tl.max(ends, 0)
+
+    @triton.jit
+    def _em_block(b, rows, ends, capacity, BM: tl.constexpr, EP: tl.constexpr):
+        """Live block ``b``: (expert, its rows of the layout [BM] int64, row_ok). The runs of
+        the experts before it are those ending at or before ``b`` (ends never decrease)."""
+        before = ends <= b
+        expert = tl.sum(before.to(tl.int32), 0)
+        first = tl.max(tl.where(before, ends, 0), 0)  # the expert's first live block
+        valid = tl.sum(tl.where(tl.arange(0, EP) == expert, rows, 0), 0)
+        r = (b - first) * BM + tl.arange(0, BM)
+        row_ok = r < valid
+        layout_rows = tl.where(row_ok, expert.to(tl.int64) * capacity + r, 0)
+        return expert, layout_rows, row_ok
+
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE_EM)
+    def _em_gemm1_kernel(
+        x_ptr, w13_ptr, inter_ptr, counts_ptr, num_experts, capacity, H: tl.constexpr, N: tl.constexpr,
+        stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+        xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
+        EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    ):
+        """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T), over the units
+        (live block, N tile) pid, pid + grid, ...; padding rows get zeros (their A rows are
+        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``)."""
+        rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
+        num_n = tl.cdiv(N, BN)
+        u = tl.program_id(0)
+        while u < num_m * num_n:
+            pid_m, pid_n = _block_coords(u, num_m, num_n, GROUP_M)
+            expert, a_rows, row_ok = _em_block(pid_m, rows, ends, capacity, BM, EP)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
+                               stride_xm, stride_we, stride_wn, stride_wk,
+                               xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
+                               BM, BN, BK, PRECISION, FP8)
+            _store_act(inter_ptr, is_ptr, pid_m * BM + tl.arange(0, BM), pid_n, act, stride_im, stride_ism, N,
+                       BM, BN, FP8, SOFT_ROUND)
+            u += tl.num_programs(0)
+
+    @triton.jit(do_not_specialize=_NO_SPECIALIZE_EM)
+    def _em_gemm2_kernel(
+        inter_ptr, w2_ptr, out_ptr, counts_ptr, num_experts, capacity, H: tl.constexpr, N: tl.constexpr,
+        stride_im, stride_we, stride_wh, stride_wk, stride_om,
+        is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
+        EP: tl.constexpr, WHOLE_CHUNKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    ):
+        """out[row] = inter[b * BM + i] @ w2[e].T for the valid rows of live block b, stored
+        once in the output's dtype, over the units (live block, H tile) pid, pid + grid, ..."""
+        rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
+        num_n = tl.cdiv(H, BN)
+        u = tl.program_id(0)
+        while u < num_m * num_n:
+            pid_m, pid_n = _block_coords(u, num_m, num_n, GROUP_M)
+            expert, out_rows, row_ok = _em_block(pid_m, rows, ends, capacity, BM, EP)
+            offs_h = pid_n * BN + tl.arange(0, BN)
+            acc = _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, pid_m * BM + tl.arange(0, BM), row_ok, expert,
+                             offs_h, 0, H, N, stride_im, stride_we, stride_wh, stride_wk,
+                             stride_ism, stride_wse, stride_wsh, stride_wsk, (N + BK - 1) // BK, BM, BN, BK,
+                             PRECISION, FP8, WHOLE_CHUNKS)
+            o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+            u += tl.num_programs(0)
+
+
+EM_CTAS_PER_SM = 4  # the most programs per SM the persistent grids take (fewer where they do not fit)
+INTERPRET_GRID = 3  # the interpreter's grid: programs run one after another, so a few walk every unit
+
+
+def _em_grid(kernel, args: tuple, const: dict, units_bound: int) -> int:
+    """The persistent grid: the programs the SMs hold at once, never more than the most units
+    there can be (``units_bound``); a few in the interpreter."""
+    if _interpreting():
+        return max(1, min(units_bound, INTERPRET_GRID))
+    return max(1, min(units_bound, resident_grid(kernel, args, const, EM_CTAS_PER_SM)))
+
+
+def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, capacity: int,
+                out_dtype: torch.dtype, c: KernelConfig, scales) -> torch.Tensor:
+    """two_launch with split_k = 1 over the live blocks (the module docstring): ``[E * capacity, H]``."""
+    E, H, N = counts.shape[0], a.shape[1], w2.shape[2]
+    fp8 = scales is not None
+    out = torch.empty(E * capacity, H, dtype=out_dtype, device=a.device)
+    max_blocks = E * triton.cdiv(capacity, c.bm)
+    inter, is_args = _intermediate(max_blocks * c.bm, N, a.dtype, fp8, out)
+    xs_args, w13s_args, w2s_args = _scale_args(scales, out)
+    common = dict(EP=triton.next_power_of_2(E), BM=c.bm, BK=c.bk, GROUP_M=c.group_m, PRECISION=_precision(a.dtype),
+                  FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
+             xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])
+    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting())
+    grid1 = _em_grid(_em_gemm1_kernel, args1, const1, max_blocks * triton.cdiv(N, c.bn))
+    _em_gemm1_kernel[(grid1,)](*args1, **const1)
+
+    args2 = (inter, w2, out, counts, E, capacity, H, N, inter.stride(0), *w2.stride(), out.stride(0),
+             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:])
+    const2 = dict(common, BN=c.gemm2_bn, WHOLE_CHUNKS=N % c.bk == 0)
+    grid2 = _em_grid(_em_gemm2_kernel, args2, const2, max_blocks * triton.cdiv(H, c.gemm2_bn))
+    _em_gemm2_kernel[(grid2,)](*args2, **const2)
+    return out
+
+
+def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
+    """The config ``fused_moe_expert_major`` runs without one: two_launch with split_k = 1.
+
+    Picked from ``benchmarks/gpu/expert_major_probe.py`` on an H200 (qwen3-30b-a3b, a rank of a
+    2-rank low-latency layer: 64 experts, capacity 256, 9 to 1032 valid rows): these were
+    within 1 % (bf16) and 12 % (FP8) of the best stored-path config at every load; FP8 with
+    4 warps and 3 stages, the earlier default, took 1.5-1.9x the best. Capacities under 64
+    rows take the 16-row block."""
+    if capacity < 64:
+        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3) if fp8 else \
+            KernelConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=4)
+    return KernelConfig(bm=64, bn=128, bk=128, num_warps=8, num_stages=4) if fp8 else \
+        KernelConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
+
+
+def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
+                           w2_local: torch.Tensor, config: KernelConfig | None = None, *,
+                           w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                           token_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts on a Dispatcher's expert-major layout: [E_local, capacity, H] -> same shape.
+
+    Row r of expert e gets expert_e(tokens[e, r]) for r < counts[e], unweighted (the
+    dispatcher's combine applies the routing weights in slot order). Rows at or past counts[e]
+    are unspecified, as the dispatcher's own rows there (no combine reads them; zeroing them
+    would cost a pass over the whole layout). float32 accumulation, cast once to the tokens'
+    dtype. two_launch with split_k = 1 (the default) is the form whose cost follows the valid
+    rows (module docstring); the fused form and split-K add into a zeroed float32 copy of the
+    whole layout and cast it.
+
+    FP8 W8A8: weights and scales as for :func:`fused_moe`. tokens either 16/32-bit (quantized
+    here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
+    with ``token_scales`` [E_local, capacity, H/128] float32 (the result is bf16).
+    """
+    _require_triton()
+    if tokens.dim() != 3 or tokens.dtype not in _SUPPORTED + (_FP8,):
+        raise ValueError(f"tokens must be a 3-D {_SUPPORTED + (_FP8,)} tensor [E_local, capacity, H], "
+                         f"got {tuple(tokens.shape)} {tokens.dtype}")
+    E, cap, H = tokens.shape
+    fp8 = _is_fp8_weights(w13_local, w2_local)
+    if tokens.dtype == _FP8 and not fp8:
+        raise ValueError(f"tokens in {_FP8} need FP8 weights (w13_local, w2_local in {_FP8}), got {w13_local.dtype}")
+    E_w, N = _check_weights(w13_local, w2_local, H, _FP8 if fp8 else tokens.dtype, tokens.device)
+    if E_w != E:
+        raise ValueError(f"tokens has E_local={E} experts but the weights have {E_w}")
+    if counts.dim() != 1 or counts.shape[0] != E or counts.device != tokens.device:
+        raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts must be int32 or int64, got {counts.dtype}")
+    if config is None:
+        config = expert_major_default(cap, fp8)
+    if fp8:
+        _check_fp8_config(config)
+        w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
+        if tokens.dtype == _FP8:
+            _check_scale("token_scales", token_scales, (E, cap, H // FP8_GROUP), tokens.device)
+        elif token_scales is not None:
+            raise ValueError(f"token_scales is only for {_FP8} tokens; the tokens are {tokens.dtype}")
+    else:
+        _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
+    out_dtype = torch.bfloat16 if tokens.dtype == _FP8 else tokens.dtype
+    if not E * cap:
+        return torch.zeros(E, cap, H, dtype=out_dtype, device=tokens.device)
+    a = tokens.contiguous().reshape(E * cap, H)
+    scales = None
+    if fp8:
+        ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
+        a, xs = _fp8_activations(a, ts, "token_scales")
+        scales = (xs, w13_scale, w2_scale)
+    if config.form == "two_launch" and config.split_k == 1:
+        out = _run_stored(a, w13_local, w2_local, counts.contiguous(), cap, out_dtype, config, scales)
+    else:
+        al = align_expert_major(counts, cap, config.bm)
+        out = _run(a, w13_local, w2_local, None, al, E * cap, out_dtype, a_div=1, out_div=1, config=config,
+                   scales=scales)
+    return out.reshape(E, cap, H)
