@@ -9,12 +9,11 @@ others add into a zeroed float32 copy of the whole layout) is timed as the bench
 (CUDA-graph replay, a 256 MB L2 flush before each, median), in bf16 (bf16 tokens and
 weights) and in FP8 W8A8 (e4m3 tokens + group scales, as the FP8 wire delivers them). Printed
 per (load, precision): the best configs, the default's time and the weight bytes of the
-touched experts over the best time. The default config is also timed through the token path's
-kernels over ``align_expert_major``'s fixed block table (``aligned-default``: one program per
-possible block, empty ones exiting, atomics into a zeroed float32 copy), the schedule before
-the live-block kernels of ``moekit.kernels.expert_major``, as an A/B in the same process.
+touched experts over the best time. With ``--old F`` (another commit's fused_moe.py) its
+``fused_moe_expert_major`` with its own default config is timed too (``old-default``), in the
+same process: the A/B of a schedule change.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b]
+    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b] [--old F]
 """
 
 from __future__ import annotations
@@ -63,25 +62,15 @@ def _inputs(shape, dev, precision: str):
     return dict(tokens=tq, w13=q13, w2=q2, kw=dict(w13_scale=s13, w2_scale=s2, token_scales=ts))
 
 
-def _aligned_call(inp, counts, precision: str):
-    """The default config through ``fused_moe._run`` over ``align_expert_major`` (the A/B)."""
-    from moekit.kernels import align_expert_major, expert_major_default
-    from moekit.kernels import fused_moe as fm
+def _load_old(path: str):
+    """``fused_moe_expert_major`` of another commit's fused_moe.py (``git show C:src/moekit/kernels/
+    fused_moe.py > F``), loaded as its own module next to the current one."""
+    import importlib.util
 
-    tokens = inp["tokens"]
-    E, cap, H = tokens.shape
-    cfg = expert_major_default(cap, precision == "fp8")
-    scales = None
-    if precision == "fp8":
-        kw = inp["kw"]
-        scales = (kw["token_scales"].reshape(E * cap, H // 128), kw["w13_scale"], kw["w2_scale"])
-    out_dtype = torch.bfloat16
-
-    def call():
-        al = align_expert_major(counts, cap, cfg.bm)
-        return fm._run(tokens.reshape(E * cap, H), inp["w13"], inp["w2"], None, al, E * cap, out_dtype,
-                       a_div=1, out_div=1, config=cfg, scales=scales)
-    return call
+    spec = importlib.util.spec_from_file_location("old_fused_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fused_moe_expert_major
 
 
 def _warm(task) -> str | None:
@@ -108,12 +97,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="expert-major-probe.json")
+    parser.add_argument("--old", help="another commit's src/moekit/kernels/fused_moe.py, timed as old-default")
     args = parser.parse_args()
     from moekit.bench.kernel import config_id
     from moekit.kernels import fused_moe_expert_major
     from moekit.shapes import get_shape
 
     t0 = time.perf_counter()
+    old = _load_old(args.old) if args.old else None
     dev = torch.device("cuda")
     shape = get_shape(args.shape)
     configs = {p: _configs(shape, dt) for p, dt in (("bf16", torch.bfloat16), ("fp8", FP8))}
@@ -135,11 +126,14 @@ def main() -> None:
                     times["default" if cfg is None else config_id(cfg)] = median_us(call, flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} {cfg}: {type(error).__name__}: {str(error)[:200]}")
-            try:
-                times["aligned-default"] = median_us(_aligned_call(inp, counts, precision), flusher, args.iters)
-            except Exception as error:  # noqa: BLE001
-                errors.append(f"{precision} {name} aligned-default: {type(error).__name__}: {str(error)[:200]}")
-            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("default", "aligned-default"))
+            if old is not None:
+                def old_call():
+                    return old(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
+                try:
+                    times["old-default"] = median_us(old_call, flusher, args.iters)
+                except Exception as error:  # noqa: BLE001
+                    errors.append(f"{precision} {name} old-default: {type(error).__name__}: {str(error)[:200]}")
+            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("default", "old-default"))
             best_us, best = ranked[0]
             gbps = touched * per_expert * elem[precision] / (best_us * 1e3)
             rows.append(dict(load=name, T=T, zipf=zipf, precision=precision, rows=int(counts.sum()),
@@ -147,7 +141,7 @@ def main() -> None:
             print(f"{precision:4s} {name:13s} rows {int(counts.sum()):5d} (max {int(counts.max()):3d}) "
                   f"experts {touched:3d}: best {best} {best_us:7.1f} us ({gbps:6.0f} GB/s = "
                   f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
-                  f"(aligned {times.get('aligned-default', float('nan')):7.1f}); "
+                  f"(old {times.get('old-default', float('nan')):7.1f}); "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)
 

@@ -20,6 +20,7 @@ from moekit.kernels.align import align_expert_major  # noqa: E402
 from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
 from moekit.shapes import MoEShape  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # tests/kernels also runs natively on GPUs
 SHAPE = MoEShape("tiny", num_experts=5, top_k=2, hidden=48, intermediate=40)
 TOL = {torch.float16: 1e-2, torch.float32: 1e-4}
 STORED = [  # two_launch, split_k = 1: the expert-major schedule
@@ -34,15 +35,15 @@ def _case(cap: int, counts: list[int], dtype: torch.dtype, seed: int = 0):
     w = MoEWeights.random(SHAPE, seed=seed, dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randn(SHAPE.num_experts, cap, SHAPE.hidden, generator=g).to(dtype)
-    return tokens, torch.tensor(counts), w
+    return tokens.to(DEVICE), torch.tensor(counts, device=DEVICE), MoEWeights(w.router, w.w13.to(DEVICE), w.w2.to(DEVICE))
 
 
 def _check_rows(y, tokens, counts, w, dtype):
     assert y.shape == tokens.shape and y.dtype == dtype
-    y = y.cpu()
+    y, tokens = y.cpu(), tokens.cpu()
     for e, n in enumerate(counts.tolist()):
         if n:
-            ref = expert_mlp(tokens[e, :n].double(), w.w13[e].double(), w.w2[e].double())
+            ref = expert_mlp(tokens[e, :n].double(), w.w13[e].double().cpu(), w.w2[e].double().cpu())
             err = ((y[e, :n].double() - ref).norm() / ref.norm()).item()
             assert err < TOL[dtype], (e, n, err)
 
@@ -87,7 +88,7 @@ def test_stored_schedule_equals_the_aligned_token_kernels(cfg):
 def test_counts_past_capacity_are_clamped():
     """A count above the capacity (never from a dispatcher) serves the capacity, not more."""
     tokens, counts, w = _case(8, [8, 2, 0, 1, 3], torch.float32, seed=7)
-    y = fused_moe_expert_major(tokens, torch.tensor([99, 2, -4, 1, 3]), w.w13, w.w2, STORED[0])
+    y = fused_moe_expert_major(tokens, torch.tensor([99, 2, -4, 1, 3], device=DEVICE), w.w13, w.w2, STORED[0])
     _check_rows(y, tokens, counts, w, torch.float32)
 
 
@@ -100,13 +101,13 @@ def test_bad_counts():
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("capacity", [1, 63, 64, 512])
+@pytest.mark.parametrize("capacity", [1, 63, 256, 257, 4096])
 def test_expert_major_default_is_in_every_presets_space(fp8, capacity):
     from moekit.kernels import config_space, expert_major_default
     from moekit.shapes import PRESETS
 
     cfg = expert_major_default(capacity, fp8)
     assert cfg.form == "two_launch" and cfg.split_k == 1  # the live-block schedule
-    assert cfg.bm == (16 if capacity < 64 else 64)
+    assert cfg.bm == (16 if capacity <= 256 else 64)
     for shape in PRESETS.values():
         assert cfg in config_space(shape, None, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16), shape.name

@@ -166,17 +166,22 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     return out
 
 
-def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
-    """The config ``fused_moe_expert_major`` runs without one: two_launch with split_k = 1.
+SMALL_CAPACITY = 256  # the largest capacity the defaults below were measured at
 
-    Picked from ``benchmarks/gpu/expert_major_probe.py`` on an H200 (qwen3-30b-a3b, a rank of a
-    2-rank low-latency layer: 64 experts, capacity 256, 9 to 1032 valid rows): these were
-    within 1 % (bf16) and 12 % (FP8) of the best stored-path config at every load; FP8 with
-    4 warps and 3 stages, the earlier default, took 1.5-1.9x the best. Capacities under 64
-    rows take the 16-row block."""
-    if capacity < 64:
-        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3) if fp8 else \
-            KernelConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=4)
+
+def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
+    """The config ``fused_moe_expert_major`` runs without one (two_launch, split_k = 1).
+
+    Capacities up to ``SMALL_CAPACITY`` (decode: a low-latency layer's ``world * max_m``) take
+    16-row blocks, picked with ``benchmarks/gpu/expert_major_probe.py`` on an H200 at 2a354e6
+    (qwen3-30b-a3b, a rank of a 2-rank layer: 64 experts, capacity 256, 9 to 1032 valid rows,
+    at most 122 per expert): the config with the smallest worst ratio to the best of its
+    precision over the four loads, 1.05x for bf16 and 1.013x for FP8 (the previous bm = 64
+    defaults: up to 1.08x and 1.25x). Larger capacities, where an expert can get thousands
+    of rows, take 64-row blocks (the earlier defaults; not measured on this path at such loads)."""
+    if capacity <= SMALL_CAPACITY:
+        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3, group_m=8) if fp8 else \
+            KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, group_m=8)
     return KernelConfig(bm=64, bn=128, bk=128, num_warps=8, num_stages=4) if fp8 else \
         KernelConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
 
