@@ -664,14 +664,8 @@ class SymmMemTransport:
 
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
-        group_name = self.group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before torch 2.9; a no-op (or absent) later
-            try:
-                enable(group_name)
-            except Exception:  # noqa: BLE001 - newer torch may refuse a second enable
-                pass
-        self._handle = symm_mem.rendezvous(self._buf, group_name)
+        # (torch >= 2.11 needs no enable_symm_mem_for_group first: it is deprecated there.)
+        self._handle = symm_mem.rendezvous(self._buf, self.group.group_name)
         self._peers = [self._handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(W)]
         self._peer_args = self._peers + [self._buf] * (MAX_PEERS - W)
         self._state = torch.zeros(_STATE_SIZE, dtype=torch.int64, device=self.device)
