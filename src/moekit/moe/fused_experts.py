@@ -25,7 +25,9 @@ class FusedExperts(nn.Module):
     ``[E_local, capacity, H]`` in the dtype of the weights as given.
 
     Row r of expert e is expert_e(tokens[e, r]) for r < counts[e] (unweighted: the
-    dispatcher's combine applies the routing weights in slot order) and zero past it.
+    dispatcher's combine applies the routing weights in slot order). Rows past counts[e] are
+    unspecified, as the dispatcher's own rows there: no combine reads them, and the kernel
+    runs only the blocks the counts name (``moekit.kernels.expert_major``).
 
     * ``fp8=False``: the bf16 / fp16 / fp32 kernel on weights in their dtype. FP8 tokens (a
       quantizing dispatcher's) are dequantized with their ``scales`` first, since this kernel
