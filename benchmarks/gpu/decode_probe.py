@@ -28,11 +28,10 @@ import importlib
 import os
 import sys
 import time
-from collections import defaultdict
 from dataclasses import asdict
 
 import torch
-from probe_common import compile_in_pool, expert_weights, median_us, write_result
+from probe_common import compile_in_pool, expert_weights, kernel_breakdown, median_us, write_result
 
 from moekit.bench.kernel import bench_shape, config_id, measure_ceilings, point_routing, point_work
 from moekit.bench.timing import L2Flusher
@@ -71,25 +70,6 @@ def _warm(task) -> str | None:
         return f"{name} {cfg}: {type(error).__name__}: {str(error)[:200]}"
     return None
 
-
-
-def kernel_breakdown(fn, flusher, iters: int = 20) -> dict[str, float]:
-    """Mean GPU µs per call of each kernel ``fn`` launches (eager, one flush before each)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            if flusher is not None:
-                flusher()
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name[:60]] += e.time_range.elapsed_us()
-    return {k: v / iters for k, v in total.items() if "reduce_kernel" not in k}  # (the flush's sum)
 
 
 def main() -> int:

@@ -9,11 +9,16 @@ others add into a zeroed float32 copy of the whole layout) is timed as the bench
 (CUDA-graph replay, a 256 MB L2 flush before each, median), in bf16 (bf16 tokens and
 weights) and in FP8 W8A8 (e4m3 tokens + group scales, as the FP8 wire delivers them). Printed
 per (load, precision): the best configs, the default's time and the weight bytes of the
-touched experts over the best time. With ``--old F`` (another commit's fused_moe.py) its
-``fused_moe_expert_major`` with its own default config is timed too (``old-default``), in the
-same process: the A/B of a schedule change.
+touched experts over the best time. With ``--old F`` (another commit's expert_major.py, or
+fused_moe.py before the expert-major path had its own module) its ``fused_moe_expert_major``
+with its own default config is timed too (``old-default``), in the same process: the A/B of a
+schedule change. ``--splits S ...`` times the default again with GEMM1's split limit
+(``expert_major.EM_MAX_SPLITS``) set to each S (``default-splitsS``); ``--profile`` adds the
+profiler's per-kernel GPU µs of the default (and old-default) calls; ``--only-default`` skips
+the sweep over the space.
 
     PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b] [--old F]
+        [--splits 1 2 4 8] [--profile] [--only-default]
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 
 import torch
 
-from probe_common import ceilings_and_flusher, compile_in_pool, expert_weights, median_us, write_result
+from probe_common import ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us, write_result
 
 LOADS = (("T1", 1, None), ("T16", 16, None), ("T128", 128, None), ("T128-zipf1.2", 128, 1.2))
 MAX_M, WORLD = 128, 2
@@ -63,8 +68,8 @@ def _inputs(shape, dev, precision: str):
 
 
 def _load_old(path: str):
-    """``fused_moe_expert_major`` of another commit's fused_moe.py (``git show C:src/moekit/kernels/
-    fused_moe.py > F``), loaded as its own module next to the current one."""
+    """``fused_moe_expert_major`` of another commit's module (``git show C:src/moekit/kernels/
+    expert_major.py > F``), loaded as its own module next to the current one."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("old_fused_moe", path)
@@ -97,17 +102,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="expert-major-probe.json")
-    parser.add_argument("--old", help="another commit's src/moekit/kernels/fused_moe.py, timed as old-default")
+    parser.add_argument("--old", help="another commit's src/moekit/kernels/expert_major.py, timed as old-default")
+    parser.add_argument("--splits", type=int, nargs="*", default=[], help="GEMM1 split limits to time the default at")
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the default calls")
+    parser.add_argument("--only-default", action="store_true", help="time the default (and old) only")
     args = parser.parse_args()
     from moekit.bench.kernel import config_id
-    from moekit.kernels import fused_moe_expert_major
+    from moekit.kernels import expert_major, fused_moe_expert_major
     from moekit.shapes import get_shape
 
     t0 = time.perf_counter()
     old = _load_old(args.old) if args.old else None
     dev = torch.device("cuda")
     shape = get_shape(args.shape)
-    configs = {p: _configs(shape, dt) for p, dt in (("bf16", torch.bfloat16), ("fp8", FP8))}
+    configs = {p: [] if args.only_default else _configs(shape, dt) for p, dt in (("bf16", torch.bfloat16), ("fp8", FP8))}
     errors = compile_in_pool(_warm, [(args.shape, p, c) for p, cs in configs.items() for c in cs], args.workers)
     ceilings, flusher = ceilings_and_flusher(dev)
     elem = {"bf16": 2, "fp8": 1}
@@ -126,23 +134,38 @@ def main() -> None:
                     times["default" if cfg is None else config_id(cfg)] = median_us(call, flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} {cfg}: {type(error).__name__}: {str(error)[:200]}")
+            def default_call():
+                return fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
+            calls = {"default": default_call}
             if old is not None:
-                def old_call():
-                    return old(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
+                calls["old-default"] = lambda: old(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
                 try:
-                    times["old-default"] = median_us(old_call, flusher, args.iters)
+                    times["old-default"] = median_us(calls["old-default"], flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} old-default: {type(error).__name__}: {str(error)[:200]}")
-            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("default", "old-default"))
-            best_us, best = ranked[0]
+            limit = expert_major.EM_MAX_SPLITS
+            for splits in args.splits:
+                expert_major.EM_MAX_SPLITS = splits
+                try:
+                    times[f"default-splits{splits}"] = median_us(default_call, flusher, args.iters)
+                finally:
+                    expert_major.EM_MAX_SPLITS = limit
+            kernels = {label: kernel_breakdown(fn, flusher) for label, fn in calls.items()} if args.profile else {}
+            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("old-default",)
+                            and not cid.startswith("default"))
+            best_us, best = ranked[0] if ranked else (times["default"], "default")
             gbps = touched * per_expert * elem[precision] / (best_us * 1e3)
             rows.append(dict(load=name, T=T, zipf=zipf, precision=precision, rows=int(counts.sum()),
-                             max_rows=int(counts.max()), touched=touched, times=times))
+                             max_rows=int(counts.max()), touched=touched, times=times, kernels=kernels))
             print(f"{precision:4s} {name:13s} rows {int(counts.sum()):5d} (max {int(counts.max()):3d}) "
                   f"experts {touched:3d}: best {best} {best_us:7.1f} us ({gbps:6.0f} GB/s = "
                   f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
                   f"(old {times.get('old-default', float('nan')):7.1f}); "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
+            for splits in args.splits:
+                print(f"    default with EM_MAX_SPLITS = {splits}: {times[f'default-splits{splits}']:7.1f} us")
+            for label, per_kernel in kernels.items():
+                print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in per_kernel.items()), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)
 
 

@@ -1,6 +1,6 @@
 """Helpers shared by the developer probes of the fused MoE kernel (kernel_probe.py, ab_kernel.py,
-decode_probe.py): timing as the bench does, the probes' expert weights, the compile pool and
-the result file. Not part of the package; the probes run from the repo root with
+decode_probe.py, expert_major_probe.py): timing as the bench does, the probes' expert weights,
+the compile pool, the per-kernel profile and the result file. Not part of the package; the probes run from the repo root with
 PYTHONPATH=src, so this directory is on sys.path as the script's own."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
+from collections import defaultdict
 
 import torch
 
@@ -60,3 +61,22 @@ def write_result(path: str, ceilings: dict, rows: list, errors: list, t0: float)
         json.dump({"environment": environment(), "ceilings": ceilings, "rows": rows, "compile_errors": errors,
                    "seconds": time.perf_counter() - t0}, f, indent=1)
     print(f"done in {time.perf_counter() - t0:.0f} s -> {path}")
+
+
+def kernel_breakdown(fn, flusher, iters: int = 20) -> dict[str, float]:
+    """Mean GPU µs per call of each kernel ``fn`` launches (eager, one flush before each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            if flusher is not None:
+                flusher()
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:60]] += e.time_range.elapsed_us()
+    return {k: v / iters for k, v in total.items() if "reduce_kernel" not in k}  # (the flush's sum)
