@@ -84,7 +84,7 @@ if HAVE_TRITON:
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
         EP: tl.constexpr, MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-        SOFT_ROUND: tl.constexpr,
+        SWAP_AB: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
         """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T) for every tile (live
         block, N tile), over the units pid, pid + grid, ...; padding rows get zeros (their A rows
@@ -114,14 +114,15 @@ if HAVE_TRITON:
                 act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
                                    stride_xm, stride_we, stride_wn, stride_wk,
                                    xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                                   BM, BN, BK, PRECISION, FP8)
+                                   BM, BN, BK, PRECISION, FP8, SWAP_AB)
                 _store_act(inter_ptr, is_ptr, i_rows, pid_n, act, stride_im, stride_ism, N, BM, BN, FP8, SOFT_ROUND)
             else:
                 share = u % splits
                 acc_g, acc_u = _gate_up_share(share * CHUNKS // splits, (share + 1) * CHUNKS // splits, x_ptr,
                                               w13_ptr, a_rows, row_ok, expert, offs_n, H, N, stride_xm, stride_we,
                                               stride_wn, stride_wk, xs_ptr, ws_ptr, stride_xsm, stride_wse,
-                                              stride_wsn, stride_wsk, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8)
+                                              stride_wsn, stride_wsk, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8,
+                                              SWAP_AB)
                 _store_split_swiglu(acc_g, acc_u, tile, share, splits, part_ptr, count_ptr, inter_ptr, is_ptr,
                                     i_rows, pid_n, stride_im, stride_ism, N, MAX_SPLITS, BM, BN, FP8, SOFT_ROUND)
             u += tl.num_programs(0)
@@ -132,7 +133,7 @@ if HAVE_TRITON:
         stride_im, stride_we, stride_wh, stride_wk, stride_om,
         is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
         EP: tl.constexpr, WHOLE_CHUNKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
     ):
         """out[row] = inter[b * BM + i] @ w2[e].T for the valid rows of live block b, stored
         once in the output's dtype, over the units (live block, H tile) pid, pid + grid, ..."""
@@ -146,7 +147,7 @@ if HAVE_TRITON:
             acc = _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, pid_m * BM + tl.arange(0, BM), row_ok, expert,
                              offs_h, 0, H, N, stride_im, stride_we, stride_wh, stride_wk,
                              stride_ism, stride_wse, stride_wsh, stride_wsk, (N + BK - 1) // BK, BM, BN, BK,
-                             PRECISION, FP8, WHOLE_CHUNKS)
+                             PRECISION, FP8, WHOLE_CHUNKS, SWAP_AB)
             o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
             u += tl.num_programs(0)
@@ -156,6 +157,8 @@ EM_CTAS_PER_SM = 4  # the most programs per SM the persistent grids take (fewer 
 # GEMM1 splits each tile's reduction over H into at most this many shares where the tiles are
 # fewer than half the grid (``_em_gemm1_kernel``).
 EM_MAX_SPLITS = 8
+# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_fp8_dot``).
+EM_SWAP_AB = True
 INTERPRET_GRID = 3  # the interpreter's grid: programs run one after another, so a few walk every unit
 
 
@@ -178,7 +181,7 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     inter, is_args = _intermediate(max_blocks * c.bm, N, a.dtype, fp8, out)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     common = dict(EP=triton.next_power_of_2(E), BM=c.bm, BK=c.bk, GROUP_M=c.group_m, PRECISION=_precision(a.dtype),
-                  FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
+                  FP8=fp8, SWAP_AB=EM_SWAP_AB and fp8 and c.bm < 64, num_warps=c.num_warps, num_stages=c.num_stages)
 
     max_splits = max(1, min(EM_MAX_SPLITS, triton.cdiv(H, c.bk)))
     const1 = dict(common, BN=c.bn, MAX_SPLITS=max_splits, RUNTIME_TRIP=not _interpreting(),

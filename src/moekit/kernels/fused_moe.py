@@ -208,16 +208,29 @@ if HAVE_TRITON:
         return live, expert, rows, a_rows, out_rows, row_ok, w
 
     @triton.jit
+    def _fp8_dot(a, b, SWAP_AB: tl.constexpr):
+        """a [m, k] @ b [k, n] of e4m3 tiles, in float32. SWAP_AB computes it as (b.T @ a.T).T:
+        Hopper's FP8 tensor-core instruction (wgmma) takes the left operand in blocks of 64 rows,
+        so with a token block under 64 rows Triton upcasts both tiles to fp16 for mma.sync, one
+        conversion per weight element, which made the FP8 decode kernels slower per byte than
+        bf16 (docs/kernel.md). Swapped, the weight tile's 128 columns are the 64-row blocks and
+        the few tokens the instruction's narrow side, both read K-major as they lie in memory."""
+        if SWAP_AB:
+            return tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
+        return tl.dot(a, b)
+
+    @triton.jit
     def _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H: tl.constexpr, N: tl.constexpr,
                      stride_xm, stride_we, stride_wn, stride_wk,
                      xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, SWAP_AB: tl.constexpr = False):
         """silu(x[a_rows] @ gate.T) * (x[a_rows] @ up.T) for columns offs_n of expert ``expert``,
         as a float32 [BM, BN] tile. gate is w13[e, :N], up is w13[e, N:].
 
         FP8: x and w13 are e4m3; xs is x's [rows, H/128] scales, ws w13's [E, 2N/128, H/128]
-        block scales, and BK == 128, so chunk k0 is scale column k0 of both."""
+        block scales, and BK == 128, so chunk k0 is scale column k0 of both. SWAP_AB: see
+        ``_fp8_dot``."""
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < N
         a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
@@ -249,8 +262,8 @@ if HAVE_TRITON:
                 a_s = tl.load(xs_ptrs + k0, mask=row_ok, other=0.0)
                 g_s = tl.load(gs_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
                 u_s = tl.load(us_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
-                acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
-                acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+                acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
+                acc_u += _fp8_dot(a, u, SWAP_AB) * (a_s[:, None] * u_s[None, :])
             else:
                 acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -320,7 +333,7 @@ if HAVE_TRITON:
                    H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                    stride_ism, stride_wse, stride_wsh, stride_wsk, CHUNKS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                   FP8: tl.constexpr, WHOLE_CHUNKS: tl.constexpr):
+                   FP8: tl.constexpr, WHOLE_CHUNKS: tl.constexpr, SWAP_AB: tl.constexpr = False):
         """inter[rows] @ w2[e][offs_h].T over the CHUNKS reduction chunks of BK starting at chunk
         ``c_begin``, as a float32 [BM, BN] tile. Rows with ``row_ok`` False are not read (0).
         WHOLE_CHUNKS: every split's chunks lie inside N (no chunk mask needed).
@@ -352,7 +365,7 @@ if HAVE_TRITON:
                 chunk_ok = c_begin + i < N // _SB
                 a_s = tl.load(as_ptrs + i, mask=row_ok & chunk_ok, other=0.0)
                 b_s = tl.load(bs_ptrs + i * stride_wsk, mask=h_ok & chunk_ok, other=0.0)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+                acc += _fp8_dot(a, b, SWAP_AB) * (a_s[:, None] * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BK
@@ -518,7 +531,7 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr = False):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
         False."""
@@ -536,8 +549,8 @@ if HAVE_TRITON:
             a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
-            acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
-            acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+            acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
+            acc_u += _fp8_dot(a, u, SWAP_AB) * (a_s[:, None] * u_s[None, :])
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -548,7 +561,7 @@ if HAVE_TRITON:
                        N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                        xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
                        RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PRECISION: tl.constexpr, FP8: tl.constexpr):
+                       PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr = False):
         """The float32 gate and up sums [BM, BN] over the reduction chunks [c_begin, c_end) (one
         share of a split tile). RUNTIME_TRIP: the loop runs to those run-time bounds (GPU); the
         interpreter cannot, so it walks every chunk, masking the ones outside the share."""
@@ -559,13 +572,14 @@ if HAVE_TRITON:
             for c in range(c_begin, c_end):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
-                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8)
+                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
+                                             SWAP_AB)
         else:
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8)
+                                             PRECISION, FP8, SWAP_AB)
         return acc_g, acc_u
 
     @triton.jit
