@@ -12,13 +12,13 @@ per (load, precision): the best configs, the default's time and the weight bytes
 touched experts over the best time. With ``--old F`` (another commit's expert_major.py, or
 fused_moe.py before the expert-major path had its own module) its ``fused_moe_expert_major``
 with its own default config is timed too (``old-default``), in the same process: the A/B of a
-schedule change. ``--splits S ...`` times the default again with GEMM1's split limit
-(``expert_major.EM_MAX_SPLITS``) set to each S (``default-splitsS``); ``--profile`` adds the
-profiler's per-kernel GPU µs of the default (and old-default) calls; ``--only-default`` skips
-the sweep over the space.
+schedule change. ``--unswapped`` times the default again with FP8's swapped dots off
+(``expert_major.EM_SWAP_AB = False``: ``default-unswapped``); ``--profile`` adds the profiler's
+per-kernel GPU µs of the default (and old-default) calls; ``--only-default`` skips the sweep
+over the space.
 
     PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b] [--old F]
-        [--splits 1 2 4 8] [--profile] [--only-default]
+        [--unswapped] [--profile] [--only-default]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="expert-major-probe.json")
     parser.add_argument("--old", help="another commit's src/moekit/kernels/expert_major.py, timed as old-default")
-    parser.add_argument("--splits", type=int, nargs="*", default=[], help="GEMM1 split limits to time the default at")
+    parser.add_argument("--unswapped", action="store_true", help="time the default with EM_SWAP_AB = False too")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the default calls")
     parser.add_argument("--only-default", action="store_true", help="time the default (and old) only")
     args = parser.parse_args()
@@ -143,13 +143,12 @@ def main() -> None:
                     times["old-default"] = median_us(calls["old-default"], flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} old-default: {type(error).__name__}: {str(error)[:200]}")
-            limit = expert_major.EM_MAX_SPLITS
-            for splits in args.splits:
-                expert_major.EM_MAX_SPLITS = splits
+            if args.unswapped:
+                expert_major.EM_SWAP_AB = False
                 try:
-                    times[f"default-splits{splits}"] = median_us(default_call, flusher, args.iters)
+                    times["default-unswapped"] = median_us(default_call, flusher, args.iters)
                 finally:
-                    expert_major.EM_MAX_SPLITS = limit
+                    expert_major.EM_SWAP_AB = True
             kernels = {label: kernel_breakdown(fn, flusher) for label, fn in calls.items()} if args.profile else {}
             ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("old-default",)
                             and not cid.startswith("default"))
@@ -162,8 +161,8 @@ def main() -> None:
                   f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
                   f"(old {times.get('old-default', float('nan')):7.1f}); "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
-            for splits in args.splits:
-                print(f"    default with EM_MAX_SPLITS = {splits}: {times[f'default-splits{splits}']:7.1f} us")
+            if args.unswapped:
+                print(f"    default with EM_SWAP_AB = False: {times['default-unswapped']:7.1f} us")
             for label, per_kernel in kernels.items():
                 print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in per_kernel.items()), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)

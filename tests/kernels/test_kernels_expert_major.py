@@ -70,12 +70,10 @@ def test_stored_schedule_sparse_counts(counts):
 
 
 @pytest.mark.parametrize("cfg", STORED[:2], ids=["bm16", "bm32-g4"])
-def test_stored_schedule_equals_the_aligned_token_kernels(monkeypatch, cfg):
+def test_stored_schedule_equals_the_aligned_token_kernels(cfg):
     """Bitwise: each output row has one writer in both, and both reduce in the same chunk
     order, so the live-block schedule must equal the token path's kernels run over
-    ``align_expert_major``'s fixed block table (atomics into zeros, then a cast). (Unsplit:
-    a GEMM1 split over H sums in another order, which the next test checks.)"""
-    monkeypatch.setattr(module, "EM_MAX_SPLITS", 1)
+    ``align_expert_major``'s fixed block table (atomics into zeros, then a cast)."""
     fused_moe = importlib.import_module("moekit.kernels.fused_moe")
     tokens, counts, w = _case(37, [5, 0, 37, 16, 33], torch.float32, seed=5)
     E, cap, H = tokens.shape
@@ -85,41 +83,6 @@ def test_stored_schedule_equals_the_aligned_token_kernels(monkeypatch, cfg):
                          out_div=1, config=cfg).reshape(E, cap, H)
     for e, n in enumerate(counts.tolist()):
         assert torch.equal(y[e, :n], ref[e, :n]), e
-
-
-@pytest.mark.parametrize("counts", [[0, 0, 3, 0, 0], [1, 0, 0, 2, 0], [0, 16, 0, 0, 1]], ids=["one", "two", "three"])
-def test_gemm1_split_over_h_matches_float64(monkeypatch, counts):
-    """Few live blocks and a grid of many programs: GEMM1 splits each tile's reduction over H
-    into shares (bk = 16: 3 chunks, so 3 shares of one chunk) and the last share to arrive
-    adds the partials. Against float64, and bitwise the same on a second call (the shares are
-    added in share order, whichever arrives last)."""
-    monkeypatch.setattr(module, "INTERPRET_GRID", 64)
-    cfg = KernelConfig(bm=16, bn=16, bk=16, group_m=1, form="two_launch")
-    tokens, c, w = _case(20, counts, torch.float32, seed=11)
-    y = fused_moe_expert_major(tokens, c, w.w13, w.w2, cfg)
-    _check_rows(y, tokens, c, w, torch.float32)
-    again = fused_moe_expert_major(tokens, c, w.w13, w.w2, cfg)
-    for e, n in enumerate(counts):
-        assert torch.equal(y[e, :n], again[e, :n]), e
-
-
-def test_gemm1_split_runs_where_the_grid_allows():
-    """Two shares of a 3-chunk reduction ([0, 1) and [1, 3)) add the chunk products in
-    another order than the unsplit loop, so some element rounds differently: the check that
-    the split path ran at all (and only where the grid has room for it)."""
-    tokens, c, w = _case(20, [0, 0, 3, 0, 0], torch.float32, seed=12)
-    cfg = KernelConfig(bm=16, bn=16, bk=16, group_m=1, form="two_launch")
-
-    def call(grid, max_splits):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(module, "INTERPRET_GRID", grid)
-            mp.setattr(module, "EM_MAX_SPLITS", max_splits)
-            return fused_moe_expert_major(tokens, c, w.w13, w.w2, cfg)[2, :3]
-
-    unsplit = call(64, 1)
-    assert not torch.equal(call(64, 2), unsplit)
-    if DEVICE == "cpu":  # (on a GPU the grid is the SMs' resident programs, whatever INTERPRET_GRID says)
-        assert torch.equal(call(3, 2), unsplit)  # 3 tiles on 3 programs: no room to split
 
 
 def test_counts_past_capacity_are_clamped():

@@ -47,8 +47,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from moekit.kernels.fused_moe import (_block_coords, _down_tile, _gate_up_share, _store_act,
-                                          _store_split_swiglu, _swiglu_tile)
+    from moekit.kernels.fused_moe import _block_coords, _down_tile, _store_act, _swiglu_tile
 
     # The counts change every call; their bounds must not select a binary.
     _NO_SPECIALIZE_EM = ["num_experts", "capacity"]
@@ -79,52 +78,28 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE_EM)
     def _em_gemm1_kernel(
-        x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr, counts_ptr, num_experts, capacity, H: tl.constexpr,
-        N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+        x_ptr, w13_ptr, inter_ptr, counts_ptr, num_experts, capacity, H: tl.constexpr, N: tl.constexpr,
+        stride_xm, stride_we, stride_wn, stride_wk, stride_im,
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
-        EP: tl.constexpr, MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-        SWAP_AB: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr, SOFT_ROUND: tl.constexpr,
     ):
-        """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T) for every tile (live
-        block, N tile), over the units pid, pid + grid, ...; padding rows get zeros (their A rows
-        are masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``).
-
-        Where the tiles are fewer than half the grid (decode: a few live blocks), each tile's
-        reduction over H is split into as many shares as fill the grid, at most MAX_SPLITS
-        (``_store_split_swiglu`` adds the shares' partials in share order; ``count`` zeroed by
-        the caller): otherwise a handful of programs would each stream a whole w13 tile while
-        the other SMs idle."""
+        """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T), over the units
+        (live block, N tile) pid, pid + grid, ...; padding rows get zeros (their A rows are
+        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``)."""
         rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
         num_n = tl.cdiv(N, BN)
-        tiles = num_m * num_n
-        if MAX_SPLITS > 1:
-            splits = tl.minimum(tl.maximum(tl.num_programs(0) // tl.maximum(tiles, 1), 1), MAX_SPLITS)
-        else:
-            splits = 1
-        CHUNKS: tl.constexpr = (H + BK - 1) // BK
         u = tl.program_id(0)
-        while u < tiles * splits:
-            tile = u // splits
-            pid_m, pid_n = _block_coords(tile, num_m, num_n, GROUP_M)
+        while u < num_m * num_n:
+            pid_m, pid_n = _block_coords(u, num_m, num_n, GROUP_M)
             expert, a_rows, row_ok = _em_block(pid_m, rows, ends, capacity, BM, EP)
             offs_n = pid_n * BN + tl.arange(0, BN)
-            i_rows = pid_m * BM + tl.arange(0, BM)
-            if splits == 1:
-                act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
-                                   stride_xm, stride_we, stride_wn, stride_wk,
-                                   xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                                   BM, BN, BK, PRECISION, FP8, SWAP_AB)
-                _store_act(inter_ptr, is_ptr, i_rows, pid_n, act, stride_im, stride_ism, N, BM, BN, FP8, SOFT_ROUND)
-            else:
-                share = u % splits
-                acc_g, acc_u = _gate_up_share(share * CHUNKS // splits, (share + 1) * CHUNKS // splits, x_ptr,
-                                              w13_ptr, a_rows, row_ok, expert, offs_n, H, N, stride_xm, stride_we,
-                                              stride_wn, stride_wk, xs_ptr, ws_ptr, stride_xsm, stride_wse,
-                                              stride_wsn, stride_wsk, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8,
-                                              SWAP_AB)
-                _store_split_swiglu(acc_g, acc_u, tile, share, splits, part_ptr, count_ptr, inter_ptr, is_ptr,
-                                    i_rows, pid_n, stride_im, stride_ism, N, MAX_SPLITS, BM, BN, FP8, SOFT_ROUND)
+            act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
+                               stride_xm, stride_we, stride_wn, stride_wk,
+                               xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
+                               BM, BN, BK, PRECISION, FP8, SWAP_AB)
+            _store_act(inter_ptr, is_ptr, pid_m * BM + tl.arange(0, BM), pid_n, act, stride_im, stride_ism, N,
+                       BM, BN, FP8, SOFT_ROUND)
             u += tl.num_programs(0)
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE_EM)
@@ -154,10 +129,8 @@ if HAVE_TRITON:
 
 
 EM_CTAS_PER_SM = 4  # the most programs per SM the persistent grids take (fewer where they do not fit)
-# GEMM1 splits each tile's reduction over H into at most this many shares where the tiles are
-# fewer than half the grid (``_em_gemm1_kernel``).
-EM_MAX_SPLITS = 8
-# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_fp8_dot``).
+# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_fp8_dot``);
+# False runs them as they come (kept to measure one against the other).
 EM_SWAP_AB = True
 INTERPRET_GRID = 3  # the interpreter's grid: programs run one after another, so a few walk every unit
 
@@ -175,30 +148,19 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     """two_launch with split_k = 1 over the live blocks (the module docstring): ``[E * capacity, H]``."""
     E, H, N = counts.shape[0], a.shape[1], w2.shape[2]
     fp8 = scales is not None
-    device = a.device
-    out = torch.empty(E * capacity, H, dtype=out_dtype, device=device)
+    out = torch.empty(E * capacity, H, dtype=out_dtype, device=a.device)
     max_blocks = E * triton.cdiv(capacity, c.bm)
     inter, is_args = _intermediate(max_blocks * c.bm, N, a.dtype, fp8, out)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     common = dict(EP=triton.next_power_of_2(E), BM=c.bm, BK=c.bk, GROUP_M=c.group_m, PRECISION=_precision(a.dtype),
-                  FP8=fp8, SWAP_AB=EM_SWAP_AB and fp8 and c.bm < 64, num_warps=c.num_warps, num_stages=c.num_stages)
+                  FP8=fp8, SWAP_AB=EM_SWAP_AB and fp8 and c.bm < 64, num_warps=c.num_warps,
+                  num_stages=c.num_stages)
 
-    max_splits = max(1, min(EM_MAX_SPLITS, triton.cdiv(H, c.bk)))
-    const1 = dict(common, BN=c.bn, MAX_SPLITS=max_splits, RUNTIME_TRIP=not _interpreting(),
-                  SOFT_ROUND=fp8 and _interpreting())
-
-    def args1(part, count):
-        return (a, w13, inter, part, count, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
-                xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])
-
-    f32, i32 = out.new_empty(1, dtype=torch.float32), out.new_empty(1, dtype=torch.int32)  # pointer types
-    grid1 = _em_grid(_em_gemm1_kernel, args1(f32, i32), const1, max_blocks * triton.cdiv(N, c.bn) * max_splits)
-    if max_splits > 1:  # a split tile's partials (tile * splits + share < grid) and arrival counts
-        part = torch.empty(grid1, c.bm, 2 * c.bn, dtype=torch.float32, device=device)
-        count = torch.zeros(grid1, dtype=torch.int32, device=device)
-    else:
-        part, count = f32, i32
-    _em_gemm1_kernel[(grid1,)](*args1(part, count), **const1)
+    args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
+             xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])
+    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting())
+    grid1 = _em_grid(_em_gemm1_kernel, args1, const1, max_blocks * triton.cdiv(N, c.bn))
+    _em_gemm1_kernel[(grid1,)](*args1, **const1)
 
     args2 = (inter, w2, out, counts, E, capacity, H, N, inter.stride(0), *w2.stride(), out.stride(0),
              is_args[0], w2s_args[0], is_args[1], *w2s_args[1:])

@@ -531,7 +531,7 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr = False):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
         False."""
@@ -549,48 +549,49 @@ if HAVE_TRITON:
             a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
-            acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
-            acc_u += _fp8_dot(a, u, SWAP_AB) * (a_s[:, None] * u_s[None, :])
+            acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+            acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         return acc_g, acc_u
 
     @triton.jit
-    def _gate_up_share(c_begin, c_end, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H: tl.constexpr,
-                       N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
-                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                       RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr = False):
-        """The float32 gate and up sums [BM, BN] over the reduction chunks [c_begin, c_end) (one
-        share of a split tile). RUNTIME_TRIP: the loop runs to those run-time bounds (GPU); the
-        interpreter cannot, so it walks every chunk, masking the ones outside the share."""
+    def _persistent_gemm1_unit(u, splits, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr,
+                               num_experts, H: tl.constexpr, N: tl.constexpr,
+                               stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+                               xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
+                               MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
+                               BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                               SOFT_ROUND: tl.constexpr):
+        """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
+        reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
+        Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
+        its float32 gate and up partials in ``part[u]`` [BM, 2 BN]; the share that arrives last
+        at the tile's count adds the tile's partials in share order and stores the intermediate."""
+        TILES: tl.constexpr = (N + BN - 1) // BN
         CHUNKS: tl.constexpr = (H + BK - 1) // BK
+        tile = u // splits
+        share = u % splits
+        j = tile // TILES
+        pid_n = tile % TILES
+        _, expert, rows, a_rows, row_ok, _ = _direct_block(j, ids, valid, wts, named, num_experts, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        c_begin = share * CHUNKS // splits
+        c_end = (share + 1) * CHUNKS // splits
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         if RUNTIME_TRIP:
             for c in range(c_begin, c_end):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
-                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB)
-        else:
+                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8)
+        else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB)
-        return acc_g, acc_u
-
-    @triton.jit
-    def _store_split_swiglu(acc_g, acc_u, tile, share, splits, part_ptr, count_ptr, inter_ptr, is_ptr, rows, pid_n,
-                            stride_im, stride_ism, N: tl.constexpr, MAX_SPLITS: tl.constexpr, BM: tl.constexpr,
-                            BN: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr):
-        """Share ``share`` of ``splits`` of GEMM1 tile ``tile`` is summed (``acc_g``, ``acc_u``).
-        Unsplit: store SwiGLU of the sums as the intermediate rows ``rows``. Split: store the
-        float32 partials in ``part[tile * splits + share]`` [BM, 2 BN] and count the share in
-        ``count[tile]`` (zeroed by the caller); the share that arrives last adds the tile's
-        partials in share order (so the sum has a fixed order) and stores the intermediate."""
+                                             PRECISION, FP8)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                        N, BM, BN, FP8, SOFT_ROUND)
@@ -606,38 +607,11 @@ if HAVE_TRITON:
                 acc_g = tl.zeros((BM, BN), dtype=tl.float32)
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
                 for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
-                    # .cg: from L2, where the other CTAs' partials are (never this SM's L1).
                     t_ok = t < splits
                     acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
                 _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                            N, BM, BN, FP8, SOFT_ROUND)
-
-    @triton.jit
-    def _persistent_gemm1_unit(u, splits, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr,
-                               num_experts, H: tl.constexpr, N: tl.constexpr,
-                               stride_xm, stride_we, stride_wn, stride_wk, stride_im,
-                               xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
-                               MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
-                               BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr):
-        """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
-        reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles),
-        stored by ``_store_split_swiglu``."""
-        TILES: tl.constexpr = (N + BN - 1) // BN
-        CHUNKS: tl.constexpr = (H + BK - 1) // BK
-        tile = u // splits
-        share = u % splits
-        j = tile // TILES
-        pid_n = tile % TILES
-        _, expert, rows, a_rows, row_ok, _ = _direct_block(j, ids, valid, wts, named, num_experts, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        acc_g, acc_u = _gate_up_share(share * CHUNKS // splits, (share + 1) * CHUNKS // splits, x_ptr, w13_ptr,
-                                      a_rows, row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn,
-                                      stride_wk, xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                                      RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8)
-        _store_split_swiglu(acc_g, acc_u, tile, share, splits, part_ptr, count_ptr, inter_ptr, is_ptr, rows, pid_n,
-                            stride_im, stride_ism, N, MAX_SPLITS, BM, BN, FP8, SOFT_ROUND)
 
     @triton.jit
     def _grid_barrier(count_ptr, num_programs):
