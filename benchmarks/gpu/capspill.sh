@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 {
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   echo "== GPU tests"
-  python3 -m pytest tests/gpu -q -p no:cacheprovider
+  python3 -m pytest tests/gpu -p no:cacheprovider
   echo "== dispatch baseline (deepseek-v3, 128 and 256 tokens per rank)"
   for t in 1 128; do
     python3 -m moekit.cli bench dispatch --shape deepseek-v3 --tokens "$t" --world-size 2 \

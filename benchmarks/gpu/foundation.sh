@@ -13,7 +13,7 @@ log="$OUT/log.txt"
   nvidia-smi topo -m
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   echo "== GPU tests"
-  python3 -m pytest tests/gpu -q -p no:cacheprovider "$@"
+  python3 -m pytest tests/gpu -p no:cacheprovider "$@"
   echo "== demo on the GPUs"
   python3 -m moekit.cli demo
   echo "== dispatch baseline"

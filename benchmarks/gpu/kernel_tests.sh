@@ -21,7 +21,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHARDS=${SHARDS:-8}
 commit=${MOEKIT_GIT_COMMIT:-unknown}
 logs=$(mktemp -d)
-pytest_args=(-q -rf -p no:cacheprovider --tb=short)
+pytest_args=(-rf -p no:cacheprovider --tb=short)
 T=(timeout "${TEST_TIMEOUT_S:-540}")
 # PARTS picks the process groups (default all): native bench bf16 fp8. Too many processes on
 # one GPU time-slice it into a crawl (16 at once stalled at db3efa7): split them over two calls

@@ -14,7 +14,7 @@ pack() { tar -czf "$FINAL/layer-$TAG.tgz" -C "$WORK" .; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$WORK/gpus.txt" 2>&1
 timeout 360 python3 -m pytest tests/gpu/test_moe_layer_gpu.py tests/gpu/test_align_gpu.py \
   tests/gpu/test_fused_moe_gpu.py tests/gpu/test_fused_moe_fp8_gpu.py -k "test_fused_experts_on_the_gpu or test_layer_ or expert_major or align" \
-  -q -s -p no:cacheprovider -rs > "$WORK/gpu-tests-$TAG.txt" 2>&1
+  -s -p no:cacheprovider -rs > "$WORK/gpu-tests-$TAG.txt" 2>&1
 rc=$?; echo "layer GPU tests rc $rc"; tail -4 "$WORK/gpu-tests-$TAG.txt"
 [[ $rc == 0 ]] || { pack; exit 1; }
 timeout 420 python3 benchmarks/gpu/layer_probe.py --out "$WORK/layer-probe-$TAG.json" "$@" \

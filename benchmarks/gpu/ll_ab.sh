@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD" NCCL_NVLS_ENABLE=0 TORCH_SY
 OLD=$1; TAG=$2; FINAL=${OUT:-/tmp/out}
 export OUT=/tmp/ll-ab-$TAG; mkdir -p "$OUT" "$FINAL"
 pack() { tar -czf "$FINAL/ll-ab-$TAG.tgz" -C "$OUT" .; }
-timeout 200 python3 -m pytest tests/gpu/test_lowlatency_transport_gpu.py -q -x -p no:cacheprovider -rs \
+timeout 200 python3 -m pytest tests/gpu/test_lowlatency_transport_gpu.py -x -p no:cacheprovider -rs \
   > "$OUT/transport-tests.txt" 2>&1
 rc=$?; echo "transport tests rc $rc"; tail -3 "$OUT/transport-tests.txt"
 [[ $rc == 0 ]] || { pack; exit 1; }

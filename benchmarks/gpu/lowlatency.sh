@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results" "$OUT/ll_traces"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   if [[ $MODE == tests || $MODE == all ]]; then
     echo "== low-latency GPU tests"
-    timeout 420 python3 -m pytest tests/gpu/test_lowlatency_gpu.py -q -p no:cacheprovider -rs
+    timeout 420 python3 -m pytest tests/gpu/test_lowlatency_gpu.py -p no:cacheprovider -rs
     echo "tests exit code: $?"
   fi
   if [[ $MODE == bench || $MODE == all ]]; then

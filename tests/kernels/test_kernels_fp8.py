@@ -22,6 +22,7 @@ that); shapes are the smallest that give several scale blocks in each dimension.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -308,6 +309,23 @@ def test_expert_major(case, form, prequantized):
         if n:
             assert _rel(y[e, :n], case.expert(e, xd[e, :n], True)) < 1e-2
             assert calc_diff(y[e, :n], case.expert(e, xd[e, :n], False)) < CALC_DIFF_MAX
+
+
+def test_expert_major_swapped_dots_agree(case, monkeypatch):
+    """FP8 with bm < 64 runs its dots as (w.T @ x.T).T (``expert_major.EM_SWAP_AB``: Hopper's
+    FP8 tensor cores take 64-row blocks); run as they come, they compute the same experts."""
+    em = importlib.import_module("moekit.kernels.expert_major")
+    E, cap = SHAPE.num_experts, 20
+    tokens = case.tokens(E, cap).float().to(DEVICE)
+    counts = torch.tensor([5, 0, 20, 1])
+    y = {}
+    for swap in (True, False):
+        monkeypatch.setattr(em, "EM_SWAP_AB", swap)
+        y[swap] = fused_moe_expert_major(tokens, counts.to(DEVICE), case.w13.to(DEVICE), case.w2.to(DEVICE),
+                                         FORMS["two_launch_sk1"], **case.weight_kwargs())
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            assert _rel(y[True][e, :n], y[False][e, :n].double().cpu()) < EMU_TOL, e
 
 
 # --- bad input --------------------------------------------------------------------------------
