@@ -244,10 +244,6 @@ if HAVE_TRITON:
             ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
             gs_ptrs = ws_base + (offs_n // _SB) * stride_wsn
             us_ptrs = ws_base + ((N + offs_n) // _SB) * stride_wsn
-            # Chunk 0's scales; each step then loads the next chunk's (``_down_tile`` says why).
-            a_s_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
-            g_s_next = tl.load(gs_ptrs, mask=n_ok, other=0.0)
-            u_s_next = tl.load(us_ptrs, mask=n_ok, other=0.0)
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(H, BK)):
@@ -263,10 +259,9 @@ if HAVE_TRITON:
                 u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 # The chunk's fp8 products, then its scales, then into the float32 accumulator.
-                a_s, g_s, u_s = a_s_next, g_s_next, u_s_next
-                a_s_next = tl.load(xs_ptrs + (k0 + 1), mask=row_ok & (k0 + 1 < tl.cdiv(H, BK)), other=0.0)
-                g_s_next = tl.load(gs_ptrs + (k0 + 1) * stride_wsk, mask=n_ok & (k0 + 1 < tl.cdiv(H, BK)), other=0.0)
-                u_s_next = tl.load(us_ptrs + (k0 + 1) * stride_wsk, mask=n_ok & (k0 + 1 < tl.cdiv(H, BK)), other=0.0)
+                a_s = tl.load(xs_ptrs + k0, mask=row_ok, other=0.0)
+                g_s = tl.load(gs_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
+                u_s = tl.load(us_ptrs + k0 * stride_wsk, mask=n_ok, other=0.0)
                 acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
                 acc_u += _fp8_dot(a, u, SWAP_AB) * (a_s[:, None] * u_s[None, :])
             else:
@@ -344,10 +339,7 @@ if HAVE_TRITON:
         WHOLE_CHUNKS: every split's chunks lie inside N (no chunk mask needed).
 
         FP8: inter and w2 are e4m3, is the intermediate's [rows, N/128] scales, ws w2's
-        [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both. Each
-        step loads the scales of the next chunk, not its own: Triton pipelines the loads that
-        feed the dots into shared memory stages ahead, but a scale load in the loop was issued
-        where it was used, so every chunk stalled for a memory round trip (docs/kernel.md)."""
+        [E, H/128, N/128] block scales; BK == 128, so chunk c is scale column c of both."""
         h_ok = offs_h < H
         offs_k = tl.arange(0, BK)
         rows64 = rows.to(tl.int64)
@@ -358,8 +350,6 @@ if HAVE_TRITON:
             as_ptrs = is_ptr + rows64 * stride_ism + c_begin
             bs_ptrs = (ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
                        + c_begin * stride_wsk)
-            a_s_next = tl.load(as_ptrs, mask=row_ok & (c_begin < N // _SB), other=0.0)
-            b_s_next = tl.load(bs_ptrs, mask=h_ok & (c_begin < N // _SB), other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for i in range(0, CHUNKS):
             if WHOLE_CHUNKS and H % BN == 0:
@@ -372,12 +362,9 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & h_ok[None, :], other=0.0)
             if FP8:
-                a_s, b_s = a_s_next, b_s_next
-                # (the next chunk is this call's and inside N; the tensor first, for the interpreter)
-                a_s_next = tl.load(as_ptrs + (i + 1), mask=row_ok & (i + 1 < CHUNKS) & (c_begin + i + 1 < N // _SB),
-                                   other=0.0)
-                b_s_next = tl.load(bs_ptrs + (i + 1) * stride_wsk,
-                                   mask=h_ok & (i + 1 < CHUNKS) & (c_begin + i + 1 < N // _SB), other=0.0)
+                chunk_ok = c_begin + i < N // _SB
+                a_s = tl.load(as_ptrs + i, mask=row_ok & chunk_ok, other=0.0)
+                b_s = tl.load(bs_ptrs + i * stride_wsk, mask=h_ok & chunk_ok, other=0.0)
                 acc += _fp8_dot(a, b, SWAP_AB) * (a_s[:, None] * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
