@@ -214,7 +214,9 @@ if HAVE_TRITON:
         so with a token block under 64 rows Triton upcasts both tiles to fp16 for mma.sync, one
         conversion per weight element, which made the FP8 decode kernels slower per byte than
         bf16 (docs/kernel.md). Swapped, the weight tile's 128 columns are the 64-row blocks and
-        the few tokens the instruction's narrow side, both read K-major as they lie in memory."""
+        the few tokens the instruction's narrow side, both read K-major as they lie in memory.
+        The price: wgmma keeps a chunk's FP8 sums in less than float32 precision (as every
+        bm >= 64 config always did), where mma.sync on fp16 does not (docs/kernel.md)."""
         if SWAP_AB:
             return tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
         return tl.dot(a, b)
