@@ -237,6 +237,28 @@ def test_persistent_decode_grids(monkeypatch, cfg, grid):
         _check(x, w, ids, tw, cfg, dtype, alignment="direct")
 
 
+def test_resident_grid_key_tells_binaries_apart():
+    """The persistent grids are cached per binary: a size passed as an argument (H, N are
+    constexprs passed positionally), an integer's value and a pointer's 16-byte alignment
+    (both specialized by Triton) each change the key; equal arguments give the same key."""
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    kernel = type("K", (), {"fn": _case})  # only its name is read
+    buf = torch.zeros(8, dtype=torch.float32)
+    const = dict(BM=16, num_warps=4)
+
+    def key(*args, cap=2, **extra):
+        return module._binary_key(kernel, args, {**const, **extra}, cap)
+
+    base = key(buf, 2048, 768, 1)
+    assert key(buf.clone(), 2048, 768, 1) == base
+    assert key(buf, 7168, 768, 1) != base  # another H
+    assert key(buf, 2048, 768, 16) != base  # an integer Triton specializes differently
+    assert key(buf[1:], 2048, 768, 1) != base  # 4 bytes in: no longer 16-byte aligned
+    assert key(buf.half(), 2048, 768, 1) != base
+    assert key(buf, 2048, 768, 1, BM=32) != base
+    assert key(buf, 2048, 768, 1, cap=4) != base
+
+
 def test_decode_schedule_is_deterministic(decode_impl, decode_splits):
     """No atomic adds in the decode schedule (split partials are added in split order): the
     same call gives the same bits."""

@@ -284,13 +284,15 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTERS: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
 
         COUNTERS > 0 (a power of two >= num_counters): program 0 also zeroes the decode GEMM2's
         arrival counts (``_gemm2_decode_kernel``, which runs after this kernel on the stream),
         which saves that call a memset launch.
-        FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns."""
+        FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns; SWAP_AB:
+        see ``_fp8_dot``."""
         if COUNTERS > 0:
             if tl.program_id(0) == 0:
                 offs_c = tl.arange(0, COUNTERS)
@@ -306,7 +308,7 @@ if HAVE_TRITON:
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
                            stride_xm, stride_we, stride_wn, stride_wk,
                            xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                           BM, BN, BK, PRECISION, FP8)
+                           BM, BN, BK, PRECISION, FP8, SWAP_AB)
         # Padding rows are written too (as zeros: their A rows were masked to 0), so GEMM2 never
         # reads uninitialised memory.
         _store_act(inter_ptr, is_ptr, rows, pid_n, act, stride_im, stride_ism, N, BM, BN, FP8, SOFT_ROUND)
@@ -384,12 +386,12 @@ if HAVE_TRITON:
         OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
-        FP8: see ``_down_tile``."""
+        FP8: see ``_down_tile``; SWAP_AB: ``_fp8_dot``."""
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, rows, _, out_rows, row_ok, w = _block_rows(
@@ -403,7 +405,7 @@ if HAVE_TRITON:
         acc = _down_tile(inter_ptr, w2_ptr, is_ptr, ws_ptr, rows, row_ok, expert, offs_h,
                          tl.program_id(1) * PER_SPLIT, H, N, stride_im, stride_we, stride_wh, stride_wk,
                          stride_ism, stride_wse, stride_wsh, stride_wsk, PER_SPLIT, BM, BN, BK, PRECISION, FP8,
-                         WHOLE_CHUNKS)
+                         WHOLE_CHUNKS, SWAP_AB)
         h_ok = offs_h < H
         if MUL_WEIGHT:
             acc = acc * w[:, None]
@@ -533,7 +535,7 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
         False."""
@@ -551,8 +553,8 @@ if HAVE_TRITON:
             a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
-            acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
-            acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+            acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
+            acc_u += _fp8_dot(a, u, SWAP_AB) * (a_s[:, None] * u_s[None, :])
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -565,7 +567,7 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -587,13 +589,14 @@ if HAVE_TRITON:
             for c in range(c_begin, c_end):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
-                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8)
+                                             stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
+                                             SWAP_AB)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8)
+                                             PRECISION, FP8, SWAP_AB)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                        N, BM, BN, FP8, SOFT_ROUND)
@@ -638,6 +641,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -655,7 +659,8 @@ if HAVE_TRITON:
         interpreter runs programs one after another, so a spin would never end: it launches the
         kernel twice, PHASES = 1 then 2. Each program walks units pid, pid + grid, ...
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
-        every chunk, masking the ones outside the unit's share."""
+        every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
+        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows)."""
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
@@ -674,7 +679,7 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB)
                 u += grid
         if PHASES == 3:
             _grid_barrier(sync_ptr, grid)
@@ -702,12 +707,14 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
 
         FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
-        scale block h0: one activation scale per row and one w2 scale per chunk."""
+        scale block h0: one activation scale per row and one w2 scale per chunk. SWAP_AB: see
+        ``_fp8_dot``."""
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
@@ -720,7 +727,7 @@ if HAVE_TRITON:
         act = _swiglu_tile(x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n, H, N,
                            stride_xm, stride_w13e, stride_w13n, stride_w13k,
                            xs_ptr, w13s_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
-                           BM, BN, BK, PRECISION, FP8)
+                           BM, BN, BK, PRECISION, FP8, SWAP_AB)
         if FP8:
             # In-register re-quantization: the tile is one 128-column group of every row.
             act, act_s = _quantize_tile(act, SOFT_ROUND)
@@ -737,7 +744,7 @@ if HAVE_TRITON:
             h_ok = offs_h < H - h0 * BK
             b = tl.load(b_ptrs, mask=n_ok[:, None] & h_ok[None, :], other=0.0)
             if FP8:
-                part = tl.dot(act, b) * (act_s[:, None] * tl.load(w2s_ptrs + h0 * stride_w2sh))
+                part = _fp8_dot(act, b, SWAP_AB) * (act_s[:, None] * tl.load(w2s_ptrs + h0 * stride_w2sh))
             else:
                 part = tl.dot(act, b, input_precision=PRECISION)  # [BM, BK] fp32
             if MUL_WEIGHT:
@@ -867,6 +874,9 @@ DECODE_CTAS_PER_SM = 2
 # splits each GEMM1 tile's reduction into at most PERSISTENT_MAX_SPLITS shares. The
 # interpreter runs INTERPRET_GRID programs (it runs them one by one; a few exercise the loops).
 DECODE_PERSISTENT = True
+# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_swap_ab``);
+# False runs them as they come (kept to measure one against the other).
+FP8_SWAP_AB = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
 INTERPRET_GRID = 5
@@ -956,7 +966,8 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
-            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
+            BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
+            SWAP_AB=_swap_ab(fp8, c.bm), **launch,
         )
         return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
@@ -982,7 +993,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
         A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, COUNTERS=counters, GROUP_M=c.group_m,
-        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, **launch,
+        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=_swap_ab(fp8, c.bm), **launch,
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
@@ -1003,7 +1014,8 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
-        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, **launch,
+        BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
+        SWAP_AB=_swap_ab(fp8, c.bm), **launch,
     )
     return out.to(out_dtype)
 
@@ -1011,15 +1023,27 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
 _RESIDENT_GRIDS: dict[tuple, int] = {}  # resident_grid's answer per binary
 
 
+def _binary_key(kernel, args: tuple, const: dict, cap: int) -> tuple:
+    """What decides the binary ``kernel`` compiles to for ``args`` and ``const`` (and so its
+    registers and shared memory): per tensor its dtype and whether its address is 16-byte
+    aligned (Triton specializes pointers on that), every other argument by value (the
+    constexpr sizes, and the integers Triton specializes on == 1 and multiples of 16; keying
+    on values is finer than that, never coarser), the constants and the cap. Two shapes with
+    the same constants can compile to binaries of different sizes, and a cooperative grid
+    sized for the smaller one fails to launch with the larger."""
+    spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    return (kernel.fn.__name__, device, spec, cap, tuple(sorted(const.items())))
+
+
 def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
     """As many programs of ``kernel`` (compiled for ``args`` and the constexprs / launch options
     ``const``) as the device's SMs hold at once, at most ``cap`` per SM: the grid of a kernel
     whose programs loop over work units. The answer depends only on the binary, so it is
-    looked up once per (kernel, device, tensor dtypes, constants): an eager call does not pay
-    the compile-cache lookup twice."""
+    looked up once per ``_binary_key``: an eager call does not pay the compile-cache lookup
+    twice."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-    key = (kernel.fn.__name__, device, dtypes, cap, tuple(sorted(const.items())))
+    key = _binary_key(kernel, args, const, cap)
     grid = _RESIDENT_GRIDS.get(key)
     if grid is None:
         compiled = kernel.warmup(*args, grid=(1,), **const)
@@ -1044,8 +1068,8 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
-                 BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, num_warps=c.num_warps,
-                 num_stages=c.num_stages)
+                 BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
+                 SWAP_AB=_swap_ab(fp8, c.bm), num_warps=c.num_warps, num_stages=c.num_stages)
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
@@ -1069,6 +1093,13 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
+
+
+def _swap_ab(fp8: bool, bm: int) -> bool:
+    """Whether the FP8 kernels of a config with ``bm``-row token blocks run their dots with the
+    operands swapped (``_fp8_dot``): only under 64 rows, where the warpgroup MMA cannot take
+    the tokens as its left operand (every FP8 weight tile is 128 or 256 wide, enough for it)."""
+    return FP8_SWAP_AB and fp8 and bm < 64
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
