@@ -44,9 +44,10 @@ def _inputs(shape, dev):
 
 
 def _set_swap(swap: bool) -> None:
-    from moekit.kernels import fused_moe as fm
+    import importlib
 
-    fm.FP8_SWAP_AB = swap
+    # The module, not the function: ``moekit.kernels.fused_moe`` as an attribute is the function.
+    importlib.import_module("moekit.kernels.fused_moe").FP8_SWAP_AB = swap
 
 
 def _warm(task) -> str | None:
