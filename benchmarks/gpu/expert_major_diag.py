@@ -5,7 +5,7 @@ per rank, bf16 and FP8 W8A8, the default configs (``expert_major_default``):
 
 1. the compiled kernels: registers, shared memory, and counts of the PTX instructions that
    tell how the dots run (``mma.sync`` / ``wgmma``, fp8 -> fp16 conversions ``cvt...e4m3x2``,
-   ``cp.async``), with FP8's swapped dots on and off (``expert_major.EM_SWAP_AB``);
+   ``cp.async``), with FP8's swapped dots on and off (``KernelConfig.swap_ab``);
 2. per kernel GPU µs (profiler, eager, 256 MB L2 flush before each call) with the persistent
    grids capped at 1, 2, 4 and 8 programs per SM (``EM_CTAS_PER_SM``), swapped and not;
 3. the bar for those µs: a kernel that only reads as many bytes as GEMM1 (w13 of the touched
@@ -16,6 +16,7 @@ per rank, bf16 and FP8 W8A8, the default configs (``expert_major_default``):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -48,10 +49,11 @@ def main() -> None:
             counts = _counts(shape, T, None, seed=T).to(dev)
             touched = int((counts > 0).sum())
 
-            def call():
-                return fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
-            for swap in ((True, False) if precision == "fp8" else (True,)):
-                expert_major.EM_SWAP_AB = swap
+            for swap in ((True, False) if precision == "fp8" else (False,)):
+                cfg = dataclasses.replace(expert_major.expert_major_default(256, precision == "fp8"), swap_ab=swap)
+
+                def call(cfg=cfg):
+                    return fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], cfg, **inp["kw"])
                 for ctas in (1, 2, 4, 8):
                     expert_major.EM_CTAS_PER_SM = ctas
                     seen.clear()
@@ -65,7 +67,7 @@ def main() -> None:
                         counts_ptx = {k.replace("\\", ""): len(re.findall(k, ptx)) for k in PTX_COUNTS}
                         print(f"    {name}: {binary.n_regs} registers, {binary.metadata.shared} B shared, "
                               f"PTX {counts_ptx}", flush=True)
-            expert_major.EM_SWAP_AB, expert_major.EM_CTAS_PER_SM = True, 4
+            expert_major.EM_CTAS_PER_SM = 4
             elem = 1 if precision == "fp8" else 2
             for what, nbytes in (("w13", touched * 2 * shape.intermediate * shape.hidden * elem),
                                  ("w2", touched * shape.intermediate * shape.hidden * elem)):

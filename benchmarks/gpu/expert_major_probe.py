@@ -13,7 +13,7 @@ touched experts over the best time. With ``--old F`` (another commit's expert_ma
 fused_moe.py before the expert-major path had its own module) its ``fused_moe_expert_major``
 with its own default config is timed too (``old-default``), in the same process: the A/B of a
 schedule change. ``--unswapped`` times the default again with FP8's swapped dots off
-(``expert_major.EM_SWAP_AB = False``: ``default-unswapped``); ``--profile`` adds the profiler's
+(``swap_ab = False``: ``default-unswapped``); ``--profile`` adds the profiler's
 per-kernel GPU µs of the default (and old-default) calls; ``--only-default`` skips the sweep
 over the space.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="expert-major-probe.json")
     parser.add_argument("--old", help="another commit's src/moekit/kernels/expert_major.py, timed as old-default")
-    parser.add_argument("--unswapped", action="store_true", help="time the default with EM_SWAP_AB = False too")
+    parser.add_argument("--unswapped", action="store_true", help="time the default with swap_ab = False too")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the default calls")
     parser.add_argument("--only-default", action="store_true", help="time the default (and old) only")
     args = parser.parse_args()
@@ -143,12 +144,11 @@ def main() -> None:
                     times["old-default"] = median_us(calls["old-default"], flusher, args.iters)
                 except Exception as error:  # noqa: BLE001
                     errors.append(f"{precision} {name} old-default: {type(error).__name__}: {str(error)[:200]}")
-            if args.unswapped:
-                expert_major.EM_SWAP_AB = False
-                try:
-                    times["default-unswapped"] = median_us(default_call, flusher, args.iters)
-                finally:
-                    expert_major.EM_SWAP_AB = True
+            if args.unswapped and precision == "fp8":
+                unswapped = replace(expert_major.expert_major_default(WORLD * MAX_M, True), swap_ab=False)
+                times["default-unswapped"] = median_us(
+                    lambda: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], unswapped,
+                                                   **inp["kw"]), flusher, args.iters)
             kernels = {label: kernel_breakdown(fn, flusher) for label, fn in calls.items()} if args.profile else {}
             ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("old-default",)
                             and not cid.startswith("default"))
@@ -161,8 +161,8 @@ def main() -> None:
                   f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
                   f"(old {times.get('old-default', float('nan')):7.1f}); "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
-            if args.unswapped:
-                print(f"    default with EM_SWAP_AB = False: {times['default-unswapped']:7.1f} us")
+            if "default-unswapped" in times:
+                print(f"    default with swap_ab = False: {times['default-unswapped']:7.1f} us")
             for label, per_kernel in kernels.items():
                 print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in per_kernel.items()), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)

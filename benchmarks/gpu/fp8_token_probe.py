@@ -1,8 +1,8 @@
 """Developer probe: the token path's FP8 kernels at decode sizes with the swapped dots on and off
-(``fused_moe.FP8_SWAP_AB``), in the same process (not the dataset).
+(``KernelConfig.swap_ab``), in the same process (not the dataset).
 
 For each shape and (M, beta) point, every FP8 config with token blocks under 64 rows (the ones
-the swap touches: two_launch with and without split-K, under direct addressing the decode
+that come both ways: two_launch with and without split-K, under direct addressing the decode
 schedule, and fused) is timed as the bench times (CUDA-graph replay, a 256 MB L2 flush before
 each, median), once with the swap and once without, one right after the other. Printed per
 point: the best config and its µs each way, the default config's µs each way, the weight bytes
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 from probe_common import ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us, write_result
@@ -28,9 +29,10 @@ SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8", "olmoe-1b-7b")
 
 
 def _configs(shape):
+    """The unswapped bm < 64 FP8 configs of the space (each is timed both ways)."""
     from moekit.kernels import config_space
 
-    return [c for c in config_space(shape.moe_shape, torch.device("cuda"), dtype=FP8) if c.bm < 64]
+    return [c for c in config_space(shape.moe_shape, torch.device("cuda"), dtype=FP8) if c.bm < 64 and not c.swap_ab]
 
 
 def _inputs(shape, dev):
@@ -43,19 +45,10 @@ def _inputs(shape, dev):
     return x, q13, q2, dict(w13_scale=s13, w2_scale=s2)
 
 
-def _set_swap(swap: bool) -> None:
-    import importlib
-
-    # The module, not the function: ``moekit.kernels.fused_moe`` as an attribute is the function.
-    importlib.import_module("moekit.kernels.fused_moe").FP8_SWAP_AB = swap
-
-
 def _warm(task) -> str | None:
     """Compile one config both ways (tiny calls of the real H and N) in a pool worker."""
     shape_name, cfg = task
     try:
-        from dataclasses import replace
-
         from moekit.bench.kernel import bench_shape
         from moekit.kernels import fused_moe
 
@@ -65,9 +58,8 @@ def _warm(task) -> str | None:
         ids = torch.arange(small.top_k, device="cuda").repeat(x.shape[0], 1)
         w = torch.full(ids.shape, 0.5, device="cuda")
         for swap in (True, False):
-            _set_swap(swap)
-            for m in (1, x.shape[0]):  # direct addressing (decode schedule) and, past bm, sorted
-                fused_moe(x[:m], q13, q2, ids[:m], w[:m], cfg, **kw)
+            for m in (1, x.shape[0]):  # direct addressing (M <= bm at every point)
+                fused_moe(x[:m], q13, q2, ids[:m], w[:m], replace(cfg, swap_ab=swap), **kw)
         torch.cuda.synchronize()
         return None
     except Exception as error:  # noqa: BLE001 -- reported, the probe goes on
@@ -101,11 +93,11 @@ def main() -> None:
             default = default_config(M, shape.moe_shape, dtype=FP8)
             times = {True: {}, False: {}}
             worst_diff = 0.0
-            for cfg in configs[name] + [default]:
-                cid = "default" if cfg is default else config_id(cfg)
+            for base in configs[name] + [default]:
+                cid = "default" if base is default else config_id(base)
                 out = {}
                 for swap in (True, False):
-                    _set_swap(swap)
+                    cfg = replace(base, swap_ab=swap)
                     try:
                         times[swap][cid] = median_us(lambda: fused_moe(x[:M], q13, q2, ids, w, cfg, **kw), flusher,
                                                      args.iters)
@@ -114,15 +106,13 @@ def main() -> None:
                         errors.append(f"{name} M={M} {cid} swap={swap}: {type(error).__name__}: {str(error)[:200]}")
                 if len(out) == 2:
                     worst_diff = max(worst_diff, ((out[True] - out[False]).norm() / out[False].norm()).item())
-            _set_swap(True)
             best = {s: min((us, c) for c, us in t.items() if c != "default") for s, t in times.items()}
             kernels = {}
             if args.profile:
                 for swap in (True, False):
-                    _set_swap(swap)
-                    kernels[f"swap={swap}"] = kernel_breakdown(lambda: fused_moe(x[:M], q13, q2, ids, w, default,
-                                                                                 **kw), flusher)
-                _set_swap(True)
+                    cfg = replace(default, swap_ab=swap)
+                    kernels[f"swap={swap}"] = kernel_breakdown(lambda: fused_moe(x[:M], q13, q2, ids, w, cfg, **kw),
+                                                               flusher)
             gbps = {s: work["weight_bytes"] / (b[0] * 1e3) for s, b in best.items()}
             rows.append(dict(shape=name, M=M, beta=beta, touched=work["touched_experts"],
                              weight_bytes=work["weight_bytes"], default=config_id(default),

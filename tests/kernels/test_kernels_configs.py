@@ -93,6 +93,26 @@ def test_fp8_space_per_preset(name):
     assert any(not c.fits(elem_bytes=2) for c in space)
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fp8_swapped_dots_are_a_mode_of_the_space(name):
+    """Every FP8 config with bm < 64 comes both ways (swap_ab), bm >= 64 never swapped (the
+    warpgroup MMA takes those blocks as they are); bf16 has no swapped configs."""
+    space = config_space(PRESETS[name], dtype=FP8)
+    swapped = [c for c in space if c.swap_ab]
+    small = [c for c in space if c.bm < 64 and not c.swap_ab]
+    assert swapped and {dataclasses.replace(c, swap_ab=False) for c in swapped} == set(small)
+    assert len(space) == 2 * len(small) + sum(c.bm >= 64 for c in space)
+    assert not any(c.swap_ab for c in config_space(PRESETS[name]))
+
+
+def test_swap_ab_validation():
+    assert KernelConfig(bm=32, bn=128, bk=128, swap_ab=True).swap_ab
+    with pytest.raises(ValueError, match="swap_ab needs bm < 64"):
+        KernelConfig(bm=64, bn=128, bk=128, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab must be a bool"):
+        KernelConfig(bm=16, bn=128, bk=128, swap_ab=1)
+
+
 def test_fp8_space_small_shape_drops_wide_tiles():
     tiny = MoEShape("tiny", num_experts=4, top_k=2, hidden=128, intermediate=128)
     space = config_space(tiny, dtype=FP8)
@@ -131,6 +151,8 @@ def test_default_config_fp8_valid(M):
     for shape in PRESETS.values():
         c = default_config(M, shape, dtype=FP8)
         assert fp8_config_error(c) is None and c.fits(elem_bytes=1)
+        assert c in config_space(shape, dtype=FP8)
+        assert not default_config(M, shape).swap_ab
 
 
 def test_wide_gemm2_tiles():

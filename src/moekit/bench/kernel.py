@@ -221,10 +221,11 @@ def _kernels():
 
 def config_id(c) -> str:
     """``T-bm16-bn64-bk128-w4-s4-g1-k4`` (T two_launch, F fused; ``-n256`` when GEMM2 has its
-    own tile, bn2): unique within the space."""
+    own tile, bn2; ``-x`` when FP8's dots are swapped, swap_ab): unique within the space."""
     form = "F" if c.form == "fused" else "T"
     wide = f"-n{c.bn2}" if c.bn2 else ""
-    return f"{form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-w{c.num_warps}-s{c.num_stages}-g{c.group_m}-k{c.split_k}{wide}"
+    swap = "-x" if c.swap_ab else ""
+    return f"{form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-w{c.num_warps}-s{c.num_stages}-g{c.group_m}-k{c.split_k}{wide}{swap}"
 
 
 def config_record(c) -> dict:

@@ -6,7 +6,8 @@ without pickle by :func:`load_table`)::
     {"format": "moekit-kernel-table", "version": 1,
      "environment": {...},            # where it was measured (moekit.bench.report.environment)
      "params": {...},                 # the run's options
-     "configs": [{"id", "form", "bm", "bn", "bk", "num_warps", "num_stages", "group_m", "split_k"}],
+     "configs": [{"id", "form", "bm", "bn", "bk", "num_warps", "num_stages", "group_m", "split_k", "bn2",
+                  "swap_ab"}],
      "shapes": {name: {"num_experts", "top_k", "hidden", "intermediate", "routed_experts",
                        "space_size", "configs": [indices into "configs"],
                        "default": {str(M): index}}},
@@ -458,6 +459,8 @@ def _short(cfg: dict) -> str:
         lines.append(f"g{cfg['group_m']}")
     if cfg.get("bn2"):  # (tables written before bn2 existed have no such key)
         lines.append(f"n{cfg['bn2']}")
+    if cfg.get("swap_ab"):  # (nor swap_ab)
+        lines.append("x")
     return "\n".join(lines)
 
 

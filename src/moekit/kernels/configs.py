@@ -13,8 +13,9 @@ FP8 W8A8 (``dtype=torch.float8_e4m3fn``) has its own, smaller product (:func:`fp
 gives the rules): the reduction chunk is one 128-wide scale block (bk = 128), output tiles are
 whole 128-column quantization groups (bn in {128, 256}; the fused form re-quantizes its tile
 in registers as one group, so bn = 128 there); since an fp8 tile takes half the shared
-memory of a bf16 one, pipelines may be one stage deeper (up to 5), and bm >= 64 tiles are
-tried with 8 warps as well as 4.
+memory of a bf16 one, pipelines may be one stage deeper (up to 5), bm >= 64 tiles are
+tried with 8 warps as well as 4, and bm < 64 tiles with their dots swapped (``swap_ab``) as
+well as not.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ class KernelConfig:
     over N, accumulating with atomics (two_launch only; the fused form is already split over
     N by construction). form: ``"two_launch"`` or ``"fused"``. bn2: GEMM2's output tile
     (over H) in the two_launch form, 0 = bn; GEMM2 has one accumulator where GEMM1 has two
-    (gate and up), so at large token blocks it can take a tile twice as wide.
+    (gate and up), so at large token blocks it can take a tile twice as wide. swap_ab (FP8
+    only, bm < 64): the FP8 dots run as (w.T @ x.T).T, so Hopper's FP8 warpgroup MMA, which
+    takes its left operand in 64-row blocks, gets the weight tile there instead of the few
+    tokens (``fused_moe._fp8_dot``); faster or slower depending on the routing, so a mode
+    of the space rather than a rule.
     """
 
     bm: int = 64
@@ -84,6 +89,7 @@ class KernelConfig:
     split_k: int = 1
     form: str = "two_launch"
     bn2: int = 0
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in TOKEN_BLOCKS:
@@ -109,6 +115,11 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.bn2 must be 0 (= bn) or a power of two >= 16, got {self.bn2!r}")
         if self.bn2 and self.form == "fused":
             raise ValueError("KernelConfig.bn2 must be 0 in the fused form (it has no separate GEMM2)")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"KernelConfig.swap_ab must be a bool, got {self.swap_ab!r}")
+        if self.swap_ab and self.bm >= 64:
+            raise ValueError("KernelConfig.swap_ab needs bm < 64 (the warpgroup MMA takes 64-row token blocks "
+                             f"as they are), got bm={self.bm}")
 
     @property
     def gemm2_bn(self) -> int:
@@ -198,7 +209,8 @@ def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfl
     deterministic.
 
     ``dtype=torch.float8_e4m3fn``: the FP8 W8A8 space (FP8 tile families and depths, only
-    configs with ``fp8_config_error(c) is None``, shared memory at 1 byte per element).
+    configs with ``fp8_config_error(c) is None``, shared memory at 1 byte per element, and
+    every bm < 64 config also with ``swap_ab``).
     """
     fp8 = dtype == torch.float8_e4m3fn
     elem = torch.empty((), dtype=dtype).element_size()
@@ -226,6 +238,8 @@ def config_space(shape: MoEShape, device=None, *, dtype: torch.dtype = torch.bfl
                 continue
             if cfg.fits(limit, elem):
                 out.append(cfg)
+                if fp8 and bm < 64:
+                    out.append(replace(cfg, swap_ab=True))
                 if (not fp8 and form == "two_launch" and split_k == 1 and bm >= GEMM2_WIDE_MIN_BM
                         and bn < GEMM2_WIDE_BN <= cap_n):
                     wide = replace(cfg, bn2=GEMM2_WIDE_BN)
@@ -240,14 +254,16 @@ def default_config(M: int, shape: MoEShape, *, dtype: torch.dtype = torch.bfloat
     Expected rows per active expert ~ M*K/E: use the smallest token block that is not mostly
     padding, wide tiles for large batches, and split GEMM2's reduction at tiny batches where
     the grid is far below one wave. ``dtype=torch.float8_e4m3fn`` picks from the FP8 rules
-    (bn = bk = 128).
+    (bn = bk = 128), with the dots swapped at decode (on an H200 the swapped default was the
+    faster at 5 of 6 decode points, by up to 16 %: benchmarks/results/h200-fp8-token/).
     """
     fp8 = dtype == torch.float8_e4m3fn
     rows = max(1, M * shape.top_k // shape.num_experts)
     bm = next((b for b in TOKEN_BLOCKS if b >= rows), TOKEN_BLOCKS[-1])
     if M * shape.top_k <= 64:  # decode: a sub-wave grid, weights dominate
         bn = 128 if fp8 else 64
-        return KernelConfig(bm=16, bn=bn, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch")
+        return KernelConfig(bm=16, bn=bn, bk=128, num_warps=4, num_stages=4, split_k=4, form="two_launch",
+                            swap_ab=fp8)
     bn = 128 if bm >= 64 or fp8 else 64
     bk = 128 if fp8 else 64
     return KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=_warps_for(bm, bn), num_stages=3, group_m=8,

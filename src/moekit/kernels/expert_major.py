@@ -37,7 +37,7 @@ import torch
 
 from moekit.kernels.align import align_expert_major
 from moekit.kernels.configs import KernelConfig
-from moekit.kernels.fused_moe import (_FP8, _SUPPORTED, HAVE_TRITON, _check_fp8_config, _check_scale,
+from moekit.kernels.fused_moe import (_FP8, _SUPPORTED, HAVE_TRITON, _check_config, _check_scale,
                                       _check_weights, _fp8_activations, _fp8_weight_scales, _intermediate,
                                       _interpreting, _is_fp8_weights, _no_scales, _precision, _require_triton,
                                       _run, _scale_args, resident_grid)
@@ -129,9 +129,6 @@ if HAVE_TRITON:
 
 
 EM_CTAS_PER_SM = 4  # the most programs per SM the persistent grids take (fewer where they do not fit)
-# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_fp8_dot``);
-# False runs them as they come (kept to measure one against the other).
-EM_SWAP_AB = True
 INTERPRET_GRID = 3  # the interpreter's grid: programs run one after another, so a few walk every unit
 
 
@@ -153,7 +150,7 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     inter, is_args = _intermediate(max_blocks * c.bm, N, a.dtype, fp8, out)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     common = dict(EP=triton.next_power_of_2(E), BM=c.bm, BK=c.bk, GROUP_M=c.group_m, PRECISION=_precision(a.dtype),
-                  FP8=fp8, SWAP_AB=EM_SWAP_AB and fp8 and c.bm < 64, num_warps=c.num_warps,
+                  FP8=fp8, SWAP_AB=c.swap_ab, num_warps=c.num_warps,
                   num_stages=c.num_stages)
 
     args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
@@ -181,10 +178,11 @@ def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
     (qwen3-30b-a3b, a rank of a 2-rank layer: 64 experts, capacity 256, 9 to 1032 valid rows,
     at most 122 per expert): the config with the smallest worst ratio to the best of its
     precision over the four loads, 1.05x for bf16 and 1.013x for FP8 (the previous bm = 64
-    defaults: up to 1.08x and 1.25x). Larger capacities, where an expert can get thousands
+    defaults: up to 1.08x and 1.25x); FP8's with its dots swapped (``swap_ab``: 2-8 % faster
+    at every load, docs/kernel.md). Larger capacities, where an expert can get thousands
     of rows, take 64-row blocks (the earlier defaults; not measured on this path at such loads)."""
     if capacity <= SMALL_CAPACITY:
-        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3, group_m=8) if fp8 else \
+        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3, group_m=8, swap_ab=True) if fp8 else \
             KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, group_m=8)
     return KernelConfig(bm=64, bn=128, bk=128, num_warps=8, num_stages=4) if fp8 else \
         KernelConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
@@ -225,8 +223,8 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
         raise ValueError(f"counts must be int32 or int64, got {counts.dtype}")
     if config is None:
         config = expert_major_default(cap, fp8)
+    _check_config(config, fp8)
     if fp8:
-        _check_fp8_config(config)
         w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
         if tokens.dtype == _FP8:
             _check_scale("token_scales", token_scales, (E, cap, H // FP8_GROUP), tokens.device)

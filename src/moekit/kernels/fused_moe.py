@@ -216,7 +216,9 @@ if HAVE_TRITON:
         bf16 (docs/kernel.md). Swapped, the weight tile's 128 columns are the 64-row blocks and
         the few tokens the instruction's narrow side, both read K-major as they lie in memory.
         The price: wgmma keeps a chunk's FP8 sums in less than float32 precision (as every
-        bm >= 64 config always did), where mma.sync on fp16 does not (docs/kernel.md)."""
+        bm >= 64 config always did), where mma.sync on fp16 does not (docs/kernel.md). Whether
+        it pays depends on the kernel and the routing (the reduction's length, the grid), so
+        it is a mode of the config space: ``KernelConfig.swap_ab``."""
         if SWAP_AB:
             return tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
         return tl.dot(a, b)
@@ -817,10 +819,13 @@ def _no_scales(**scales) -> None:
             raise ValueError(f"{name} is only for FP8 ({_FP8}) weights/tokens; the inputs are not FP8")
 
 
-def _check_fp8_config(config: KernelConfig) -> None:
-    err = fp8_config_error(config)
+def _check_config(config: KernelConfig, fp8: bool) -> None:
+    """The FP8 rules for FP8 weights; 16/32-bit weights have no dots to swap."""
+    err = fp8_config_error(config) if fp8 else None
     if err:
         raise ValueError(f"config is not valid for FP8: {err}")
+    if config.swap_ab and not fp8:
+        raise ValueError("KernelConfig.swap_ab is for FP8 weights only (it swaps the FP8 dots' operands)")
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -874,9 +879,6 @@ DECODE_CTAS_PER_SM = 2
 # splits each GEMM1 tile's reduction into at most PERSISTENT_MAX_SPLITS shares. The
 # interpreter runs INTERPRET_GRID programs (it runs them one by one; a few exercise the loops).
 DECODE_PERSISTENT = True
-# FP8 with token blocks under 64 rows runs its dots with the operands swapped (``_swap_ab``);
-# False runs them as they come (kept to measure one against the other).
-FP8_SWAP_AB = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
 INTERPRET_GRID = 5
@@ -967,7 +969,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            SWAP_AB=_swap_ab(fp8, c.bm), **launch,
+            SWAP_AB=c.swap_ab, **launch,
         )
         return out.to(out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
@@ -993,7 +995,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
         A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, COUNTERS=counters, GROUP_M=c.group_m,
-        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=_swap_ab(fp8, c.bm), **launch,
+        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=c.swap_ab, **launch,
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
@@ -1015,7 +1017,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
         BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
-        SWAP_AB=_swap_ab(fp8, c.bm), **launch,
+        SWAP_AB=c.swap_ab, **launch,
     )
     return out.to(out_dtype)
 
@@ -1069,7 +1071,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=_swap_ab(fp8, c.bm), num_warps=c.num_warps, num_stages=c.num_stages)
+                 SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages)
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
@@ -1093,13 +1095,6 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
-
-
-def _swap_ab(fp8: bool, bm: int) -> bool:
-    """Whether the FP8 kernels of a config with ``bm``-row token blocks run their dots with the
-    operands swapped (``_fp8_dot``): only under 64 rows, where the warpgroup MMA cannot take
-    the tokens as its left operand (every FP8 weight tile is 128 or 256 wide, enough for it)."""
-    return FP8_SWAP_AB and fp8 and bm < 64
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1154,8 +1149,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
     M, H = x.shape
     E, N = _check_weights(w13, w2, H, _FP8 if fp8 else x.dtype, x.device)
+    _check_config(config, fp8)
     if fp8:
-        _check_fp8_config(config)
         w13_scale, w2_scale = _fp8_weight_scales(E, N, H, w13_scale, w2_scale, x.device)
     else:
         _no_scales(w13_scale=w13_scale, w2_scale=w2_scale, x_scale=x_scale)

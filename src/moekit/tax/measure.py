@@ -378,7 +378,8 @@ def write_hardware_file(hw: Hardware, path: str) -> str:
 
 def config_id(cfg) -> str:
     return (f"{cfg.form}-bm{cfg.bm}-bn{cfg.bn}-bk{cfg.bk}-w{cfg.num_warps}-s{cfg.num_stages}"
-            f"-g{cfg.group_m}-sk{cfg.split_k}" + (f"-n{cfg.bn2}" if getattr(cfg, "bn2", 0) else ""))
+            f"-g{cfg.group_m}-sk{cfg.split_k}" + (f"-n{cfg.bn2}" if getattr(cfg, "bn2", 0) else "")
+            + ("-x" if getattr(cfg, "swap_ab", False) else ""))
 
 
 def sample_configs(shape: MoEShape, device: torch.device, dtype: torch.dtype, n: int, seed: int) -> list:
