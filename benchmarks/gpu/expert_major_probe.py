@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import torch
 
-from probe_common import ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us, write_result
+from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
+                          warm_error, write_result)
 
 LOADS = (("T1", 1, None), ("T16", 16, None), ("T128", 128, None), ("T128-zipf1.2", 128, 1.2))
 MAX_M, WORLD = 128, 2
@@ -82,7 +83,8 @@ def _load_old(path: str):
 def _warm(task) -> str | None:
     """Compile one config (a tiny call of the real shape) in a pool worker."""
     shape_name, precision, cfg = task
-    try:
+
+    def launch():
         from moekit.kernels import fused_moe_expert_major
         from moekit.shapes import get_shape
 
@@ -91,10 +93,7 @@ def _warm(task) -> str | None:
         inp = _inputs(small, torch.device("cuda"), precision)
         counts = torch.arange(small.num_experts // WORLD, device="cuda") % 3
         fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], cfg, **inp["kw"])
-        torch.cuda.synchronize()
-        return None
-    except Exception as error:  # noqa: BLE001 -- reported, the probe goes on
-        return f"{precision} {cfg}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return warm_error(f"{precision} {cfg}", launch)
 
 
 def main() -> None:

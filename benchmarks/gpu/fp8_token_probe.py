@@ -21,7 +21,8 @@ import time
 from dataclasses import replace
 
 import torch
-from probe_common import ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us, write_result
+from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
+                          warm_error, write_result)
 
 FP8 = torch.float8_e4m3fn
 POINTS = ((1, 1.0), (4, 1.0), (4, 0.25), (16, 1.0), (16, 0.25))
@@ -48,7 +49,8 @@ def _inputs(shape, dev):
 def _warm(task) -> str | None:
     """Compile one config both ways (tiny calls of the real H and N) in a pool worker."""
     shape_name, cfg = task
-    try:
+
+    def launch():
         from moekit.bench.kernel import bench_shape
         from moekit.kernels import fused_moe
 
@@ -60,10 +62,7 @@ def _warm(task) -> str | None:
         for swap in (True, False):
             for m in (1, x.shape[0]):  # direct addressing (M <= bm at every point)
                 fused_moe(x[:m], q13, q2, ids[:m], w[:m], replace(cfg, swap_ab=swap), **kw)
-        torch.cuda.synchronize()
-        return None
-    except Exception as error:  # noqa: BLE001 -- reported, the probe goes on
-        return f"{shape_name} {cfg}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return warm_error(f"{shape_name} {cfg}", launch)
 
 
 def main() -> None:

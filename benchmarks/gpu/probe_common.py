@@ -56,6 +56,17 @@ def compile_in_pool(warm, tasks: list, workers: int) -> list[str]:
     return errors
 
 
+def warm_error(label: str, launch) -> str | None:
+    """Run ``launch`` (compile-and-launch calls, in a pool worker) to the end of its GPU work:
+    None, or ``label`` and the error on one line (reported; the probe goes on)."""
+    try:
+        launch()
+        torch.cuda.synchronize()
+        return None
+    except Exception as error:  # noqa: BLE001
+        return f"{label}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
 def write_result(path: str, ceilings: dict, rows: list, errors: list, t0: float) -> None:
     with open(path, "w") as f:
         json.dump({"environment": environment(), "ceilings": ceilings, "rows": rows, "compile_errors": errors,
