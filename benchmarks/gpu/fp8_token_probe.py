@@ -116,11 +116,12 @@ def main() -> None:
             rows.append(dict(shape=name, M=M, beta=beta, touched=work["touched_experts"],
                              weight_bytes=work["weight_bytes"], default=config_id(default),
                              swapped=times[True], unswapped=times[False], worst_rel_diff=worst_diff, kernels=kernels))
+            pct = {s: 100 * gbps[s] / ceilings["hbm_gbps"] for s in gbps}
+            dflt = {s: times[s].get("default", float("nan")) for s in times}
             print(f"{name:16s} M={M:3d} beta={beta:4.2f} experts {work['touched_experts']:3d}: "
-                  f"best swapped {best[True][1]} {best[True][0]:7.1f} us ({100 * gbps[True] / ceilings['hbm_gbps']:4.1f} %), "
-                  f"unswapped {best[False][1]} {best[False][0]:7.1f} us ({100 * gbps[False] / ceilings['hbm_gbps']:4.1f} %); "
-                  f"default {times[True].get('default', float('nan')):7.1f} / {times[False].get('default', float('nan')):7.1f}; "
-                  f"worst rel diff {worst_diff:.2e}", flush=True)
+                  f"best swapped {best[True][1]} {best[True][0]:7.1f} us ({pct[True]:4.1f} %), "
+                  f"unswapped {best[False][1]} {best[False][0]:7.1f} us ({pct[False]:4.1f} %); "
+                  f"default {dflt[True]:7.1f} / {dflt[False]:7.1f}; worst rel diff {worst_diff:.2e}", flush=True)
             for label, per_kernel in kernels.items():
                 print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in per_kernel.items()), flush=True)
     write_result(args.out, ceilings, rows, errors, t0)

@@ -182,8 +182,9 @@ def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
     at every load, docs/kernel.md). Larger capacities, where an expert can get thousands
     of rows, take 64-row blocks (the earlier defaults; not measured on this path at such loads)."""
     if capacity <= SMALL_CAPACITY:
-        return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3, group_m=8, swap_ab=True) if fp8 else \
-            KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, group_m=8)
+        if fp8:
+            return KernelConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3, group_m=8, swap_ab=True)
+        return KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, group_m=8)
     return KernelConfig(bm=64, bn=128, bk=128, num_warps=8, num_stages=4) if fp8 else \
         KernelConfig(bm=64, bn=128, bk=64, num_warps=4, num_stages=4)
 
