@@ -23,6 +23,7 @@ that); shapes are the smallest that give several scale blocks in each dimension.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import pytest
@@ -272,13 +273,39 @@ def test_prequantized_x_matches_online_quantization(case):
 
 def test_partial_tiles_and_empty_splits():
     """N = 384 with bn = 256: GEMM1's second tile is half past N (masked columns and a masked
-    scale group); GEMM2's H tile (H = 128) is half empty; 3 chunks over 4 splits."""
+    scale group); GEMM2's H tile (H = 128) is half empty; 3 chunks over 4 splits. The decode
+    schedule (split_k = 1, M <= bm) widens its GEMM2 chunk to 512 = 4 scale groups, of which
+    the last lies past N."""
     shape = MoEShape("odd-fp8", num_experts=3, top_k=2, hidden=128, intermediate=384)
     odd = Fp8Case(shape, seed=12)
     x = odd.tokens(10)
     ids, tw = synthetic_routing(10, 3, 2, seed=7)
-    for cfg in (KernelConfig(bm=16, bn=256, bk=128, split_k=4), KernelConfig(bm=16, bn=128, bk=128, form="fused")):
+    for cfg in (KernelConfig(bm=16, bn=256, bk=128, split_k=4), KernelConfig(bm=16, bn=128, bk=128, form="fused"),
+                KernelConfig(bm=16, bn=128, bk=128, split_k=1)):
         _check(odd, x, ids, tw, cfg)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swapped"])
+def test_decode_kernel_quantizes_x_and_widens_chunks_bitwise(case, swap, monkeypatch):
+    """The persistent decode kernel quantizes x as it reads it (FP8_QUANT_IN_KERNEL) and its
+    GEMM2 takes several 128-wide scale groups per chunk: neither changes a bit of the result
+    against quantizing x in a launch of its own and one group per chunk. (Bitwise: the decode
+    schedule has no atomics; the quantization is the same helper, the groups are added in the
+    same order.)"""
+    fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
+    cfg = dataclasses.replace(FORMS["two_launch_sk1"], swap_ab=swap)
+    x = case.tokens(7).bfloat16()
+    ids, tw = synthetic_routing(7, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=13)
+    args = (x.to(DEVICE), case.w13.to(DEVICE), case.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg)
+    assert fm_module._decode_gemm2_plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"))[1] == 256
+    new = fused_moe(*args, **case.weight_kwargs())
+    plan = fm_module._decode_gemm2_plan
+    monkeypatch.setattr(fm_module, "FP8_QUANT_IN_KERNEL", False)
+    monkeypatch.setattr(fm_module, "_decode_gemm2_plan", lambda *a: (*plan(*a)[:1], 128, plan(*a)[2]))
+    old = fused_moe(*args, **case.weight_kwargs())
+    assert torch.equal(new, old)
+    xd = dequantize_groups(*quantize_groups(x, 128), dtype=torch.float64)
+    assert calc_diff(new.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX
 
 
 def test_default_config(case):

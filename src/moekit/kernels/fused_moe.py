@@ -422,7 +422,11 @@ if HAVE_TRITON:
         """One step of ``_gemm2_decode_kernel``'s loop: acc + w * (inter rows of named expert j)
         @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block at or past
         ``j_end`` (the end of this CTA's share, at most the named count) reads nothing and adds
-        zero."""
+        zero.
+
+        FP8: the chunk is BK / 128 scale groups (BK a multiple of 128), one fp8 dot per group,
+        each scaled by its row and weight-block scales and added in group order, so the sum is
+        the same as with 128-wide chunks; a wider chunk keeps more w2 bytes in flight per step."""
         j = it // N_CHUNKS
         c = it % N_CHUNKS
         live, expert, rows, _, row_ok, w = _direct_block(j, ids, valid, wts, named, num_experts, BM)
@@ -430,19 +434,27 @@ if HAVE_TRITON:
         row_ok = row_ok & live
         rows64 = rows.to(tl.int64)
         h_ok = offs_h < H
-        offs_k = tl.arange(0, BK)
-        k_ok = offs_k < N - c * BK
-        a = tl.load(inter_ptr + rows64[:, None] * stride_im + (c * BK + offs_k)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
-                    + (c * BK + offs_k)[:, None] * stride_wk,
-                    mask=live & k_ok[:, None] & h_ok[None, :], other=0.0)  # [BK, BN] = w2[e].T tile
+        a_base = inter_ptr + rows64[:, None] * stride_im
+        b_base = w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
         if FP8:
-            a_s = tl.load(is_ptr + rows64 * stride_ism + c, mask=row_ok, other=0.0)
-            b_s = tl.load(ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh + c * stride_wsk,
-                          mask=live & h_ok, other=0.0)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :]) * w[:, None]
+            s_base = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
+            for g in tl.static_range(BK // _SB):
+                group = c * (BK // _SB) + g
+                offs_k = group * _SB + tl.arange(0, _SB)
+                k_ok = offs_k < N
+                a = tl.load(a_base + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_base + offs_k[:, None] * stride_wk, mask=live & k_ok[:, None] & h_ok[None, :],
+                            other=0.0)  # [128, BN] = w2[e].T tile
+                group_ok = group < N // _SB
+                a_s = tl.load(is_ptr + rows64 * stride_ism + group, mask=row_ok & group_ok, other=0.0)
+                b_s = tl.load(s_base + group * stride_wsk, mask=live & h_ok & group_ok, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :]) * w[:, None]
         else:
+            offs_k = c * BK + tl.arange(0, BK)
+            k_ok = offs_k < N
+            a = tl.load(a_base + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_base + offs_k[:, None] * stride_wk, mask=live & k_ok[:, None] & h_ok[None, :],
+                        other=0.0)  # [BK, BN] = w2[e].T tile
             acc += tl.dot(a, b, input_precision=PRECISION) * w[:, None]
         return acc
 
@@ -537,10 +549,13 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+                      QUANT_X: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
-        False."""
+        False. QUANT_X (FP8): x is the unquantized 16/32-bit input and the chunk, one 128-column
+        group of each row, is quantized here with ``quantize_groups_triton``'s arithmetic (the
+        same helper), so the call needs no quantization launch and the products are the same."""
         offs_k = c * BK + tl.arange(0, BK)
         k_ok = (offs_k < H) & live
         n_ok = offs_n < N
@@ -552,7 +567,10 @@ if HAVE_TRITON:
         u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             ws_base = ws_ptr + expert.to(tl.int64) * stride_wse + c * stride_wsk
-            a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
+            if QUANT_X:
+                a, a_s = _quantize_tile(a.to(tl.float32), SOFT_ROUND)
+            else:
+                a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
@@ -569,7 +587,7 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -592,13 +610,13 @@ if HAVE_TRITON:
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
                                              stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB)
+                                             SWAP_AB, QUANT_X, SOFT_ROUND)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB)
+                                             PRECISION, FP8, SWAP_AB, QUANT_X, SOFT_ROUND)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                        N, BM, BN, FP8, SOFT_ROUND)
@@ -643,7 +661,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr,
+        SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -662,7 +680,9 @@ if HAVE_TRITON:
         kernel twice, PHASES = 1 then 2. Each program walks units pid, pid + grid, ...
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
         every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
-        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows)."""
+        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
+        QUANT_X (FP8): x comes unquantized and phase 1 quantizes each chunk it reads
+        (``_gate_up_step``): no quantization launch before the kernel."""
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
@@ -681,7 +701,7 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, QUANT_X)
                 u += grid
         if PHASES == 3:
             _grid_barrier(sync_ptr, grid)
@@ -864,12 +884,12 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 # The decode GEMM2 streams w2 with one or two CTAs per SM, so each CTA must keep many bytes in
 # flight (Little's law: ~32 GB/s per SM at the copy rate, times ~1-2 µs of loaded latency).
 # With the config's bk = 128 a chunk of a 32-column tile of w2 is 8 KB; the chunk is widened
-# towards DECODE_W2_CHUNK_ELEMS (16 KB in bf16; on an H200 this took olmoe's GEMM2, then with
-# 16-column tiles, from 58 to 42 µs of call time). The pipeline depth stays the config's:
+# towards DECODE_W2_CHUNK_BYTES (on an H200 this took olmoe's bf16 GEMM2, then with 16-column
+# tiles, from 58 to 42 µs of call time; FP8 widens it by whole 128-column scale groups). The pipeline depth stays the config's:
 # deeper (5-6 stages) measured slower than 3-4. DECODE_CTAS_PER_SM: the named experts are split
 # over more CTAs (``_gemm2_decode_kernel``'s SPLITS) until the grid has about that many per SM
 # (olmoe at M = 1 on an H200: 4 splits of 64 tiles, GEMM2 call 50 -> 35 µs; docs/kernel.md).
-DECODE_W2_CHUNK_ELEMS = 8192
+DECODE_W2_CHUNK_BYTES = 16 * 1024
 DECODE_SMEM_BUDGET = 192 * 1024
 DECODE_CTAS_PER_SM = 2
 # The decode schedule runs as one cooperative launch (``_persistent_decode_kernel``: GEMM1, a
@@ -881,41 +901,45 @@ DECODE_CTAS_PER_SM = 2
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
+# FP8 with an unquantized x: the persistent decode kernel quantizes x as it reads it
+# (``_quantizes_in_kernel``); False quantizes it in a launch of its own first (kept to measure).
+FP8_QUANT_IN_KERNEL = True
 INTERPRET_GRID = 5
 
 
-def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, fp8: bool,
-                       max_blocks: int, device: torch.device) -> tuple[int, int, int]:
+def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, max_blocks: int,
+                       device: torch.device) -> tuple[int, int, int]:
     """(column tile, reduction chunk, expert splits) of the decode schedule's GEMM2.
 
     The column tile is :func:`_decode_column_tile`'s. The splits bring the grid (column tiles x
     splits) to about DECODE_CTAS_PER_SM CTAs per SM, at most one split per block that can be
     named (``max_blocks``). The chunk is the config's bk, widened (in powers of two) towards
-    ``DECODE_W2_CHUNK_ELEMS`` elements of w2 and N rounded up to a power of two, as long as
-    ``stages`` copies of the [bm, chunk] and [chunk, tile] tiles fit DECODE_SMEM_BUDGET shared
-    among the CTAs an SM then holds. FP8 keeps bk = 128, one scale block per chunk.
+    ``DECODE_W2_CHUNK_BYTES`` of w2 and N rounded up to a power of two, as long as ``stages``
+    copies of the [bm, chunk] and [chunk, tile] tiles fit DECODE_SMEM_BUDGET shared among the
+    CTAs an SM then holds. FP8 (bk = 128) widens it by whole scale groups, one dot per group
+    (``_decode_step``).
     """
     bn = _decode_column_tile(H, device)
     tiles = -(-H // bn)
     sms = _sm_count(device)
     splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
-    if fp8:
-        return bn, bk, splits
     budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
-    target = min(max(bk, DECODE_W2_CHUNK_ELEMS // bn), 1 << max(0, N - 1).bit_length())
+    target = min(max(bk, DECODE_W2_CHUNK_BYTES // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
     chunk = bk
     while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= budget:
         chunk *= 2
     return bn, chunk, splits
 
 
-def _scale_args(scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, unused: torch.Tensor):
+def _scale_args(scales: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None, unused: torch.Tensor):
     """The kernels' FP8 scale arguments: (x scales, stride), (w13 scales, 3 strides), (w2 scales,
-    3 strides). Without FP8 they are never read: any pointer (``unused``) and zero strides."""
+    3 strides). Without FP8 they are never read: any pointer (``unused``) and zero strides; nor
+    are x's where the kernel quantizes x itself (x scales None)."""
     if scales is None:
         return (unused, 0), (unused, 0, 0, 0), (unused, 0, 0, 0)
     xs, w13s, w2s = scales
-    return (xs, xs.stride(0)), (w13s, *w13s.stride()), (w2s, *w2s.stride())
+    xs_args = (unused, 0) if xs is None else (xs, xs.stride(0))
+    return xs_args, (w13s, *w13s.stride()), (w2s, *w2s.stride())
 
 
 def _intermediate(rows: int, N: int, dtype: torch.dtype, fp8: bool, unused: torch.Tensor):
@@ -960,6 +984,9 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     soft = fp8 and _interpreting()
+    quant_x = fp8 and scales[0] is None
+    if quant_x and not (decode and DECODE_PERSISTENT):
+        raise RuntimeError("internal: only the persistent decode kernel quantizes x itself (_quantizes_in_kernel)")
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
@@ -976,12 +1003,11 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     # blocks are all written by GEMM1, so empty() is safe.
     inter, is_args = _intermediate(al.capacity, N, x2d.dtype, fp8, out)
     if decode and DECODE_PERSISTENT:
-        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft,
+        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft, quant_x,
                         xs_args, w13s_args, w2s_args, is_args)
         return out
     if decode:
-        bn2, bk2, splits = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, num_m,
-                                              device)
+        bn2, bk2, splits = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), num_m, device)
         tiles = triton.cdiv(H, bn2)
         # Split partials and arrival counts (zeroed by GEMM1) only where the experts are split.
         part = torch.empty(splits, c.bm, H, dtype=torch.float32, device=device) if splits > 1 else out
@@ -1054,14 +1080,15 @@ def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
 
 
 def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
-                    soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
+                    soft: bool, quant_x: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
     """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
     (a grid as large as the SMs hold, so its barrier cannot wait on a CTA that is not running);
-    two launches, one per phase, in the interpreter. Writes ``out``."""
+    two launches, one per phase, in the interpreter. Writes ``out``. ``quant_x``: FP8 weights
+    and an unquantized x2d, which the kernel quantizes as it reads it."""
     H, N = x2d.shape[1], w2.shape[2]
     device = x2d.device
     num_m = al.max_blocks
-    bn2, bk2, splits2 = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), fp8, num_m, device)
+    bn2, bk2, splits2 = _decode_gemm2_plan(H, N, c.bm, c.bk, c.num_stages, inter.element_size(), num_m, device)
     tiles2 = triton.cdiv(H, bn2)
     max_splits1 = max(1, min(triton.cdiv(H, c.bk), PERSISTENT_MAX_SPLITS))
     addr, addr_const = al.kernel_args()
@@ -1071,7 +1098,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages)
+                 SWAP_AB=c.swap_ab, QUANT_X=quant_x, num_warps=c.num_warps, num_stages=c.num_stages)
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
@@ -1095,6 +1122,14 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
+
+
+def _quantizes_in_kernel(config: KernelConfig, al: Alignment | DirectBlocks) -> bool:
+    """Whether an FP8 call with an unquantized x leaves its quantization to the kernel: the
+    persistent decode kernel quantizes each 128-column group of x as phase 1 reads it (the
+    same arithmetic as ``quantize_groups_triton``), which saves the call that launch; the
+    other kernels take x quantized."""
+    return FP8_QUANT_IN_KERNEL and DECODE_PERSISTENT and _decode_schedule(config, al)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1162,15 +1197,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     K = topk_ids.shape[1]
     out_dtype = torch.bfloat16 if x.dtype == _FP8 else x.dtype
     x = x.contiguous()
-    scales = None
-    if fp8:
-        x, xs = _fp8_activations(x, x_scale, "x_scale")
-        scales = (xs, w13_scale, w2_scale)
+    if fp8 and x.dtype == _FP8:
+        x, x_scale = _fp8_activations(x, x_scale, "x_scale")
+    elif fp8:
+        _no_scales(x_scale=x_scale)
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
         al = align_tokens(topk_ids, E, config.bm)
+    scales = None
+    if fp8:
+        if x.dtype != _FP8 and not _quantizes_in_kernel(config, al):
+            x, x_scale = quantize_groups_triton(x)
+        scales = (x_scale, w13_scale, w2_scale)  # x_scale None: the kernel quantizes x
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
     return _run(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales)
