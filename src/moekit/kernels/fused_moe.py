@@ -69,7 +69,7 @@ import functools
 import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
-from moekit.kernels.configs import KernelConfig, fp8_config_error
+from moekit.kernels.configs import DECODE_MAX_BM, KernelConfig, fp8_config_error
 from moekit.kernels.occupancy import resident_ctas_per_sm
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
@@ -1124,12 +1124,16 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
 
 
-def _quantizes_in_kernel(config: KernelConfig, al: Alignment | DirectBlocks) -> bool:
+def _quantizes_in_kernel(config: KernelConfig, al: Alignment | DirectBlocks, x: torch.Tensor) -> bool:
     """Whether an FP8 call with an unquantized x leaves its quantization to the kernel: the
     persistent decode kernel quantizes each 128-column group of x as phase 1 reads it (the
     same arithmetic as ``quantize_groups_triton``), which saves the call that launch; the
-    other kernels take x quantized."""
-    return FP8_QUANT_IN_KERNEL and DECODE_PERSISTENT and _decode_schedule(config, al)
+    other kernels take x quantized. Only for 16-bit x and token blocks of decode size
+    (bm <= DECODE_MAX_BM): phase 1's pipeline then stages x in 2 bytes per element instead of
+    1 (a float32 x at bm = 128 took 240 KB of shared memory, past the 227 KB an SM has), and
+    every (N tile, share) unit re-quantizes its chunk, which is cheap only for few rows."""
+    return (FP8_QUANT_IN_KERNEL and DECODE_PERSISTENT and _decode_schedule(config, al) and x.element_size() == 2
+            and config.bm <= DECODE_MAX_BM)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1209,7 +1213,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         al = align_tokens(topk_ids, E, config.bm)
     scales = None
     if fp8:
-        if x.dtype != _FP8 and not _quantizes_in_kernel(config, al):
+        if x.dtype != _FP8 and not _quantizes_in_kernel(config, al, x):
             x, x_scale = quantize_groups_triton(x)
         scales = (x_scale, w13_scale, w2_scale)  # x_scale None: the kernel quantizes x
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
