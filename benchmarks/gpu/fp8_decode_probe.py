@@ -1,23 +1,25 @@
-"""Developer probe: the FP8 decode schedule before and after three changes, in the same process
+"""Developer probe: the FP8 decode schedule with and without two changes, in the same process
 (not the dataset).
 
-The changes, each a module setting of ``moekit.kernels.fused_moe`` that this probe toggles:
+The changes, each a setting of ``moekit.kernels.fused_moe`` that this probe toggles:
 
-* ``quant``: the persistent decode kernel quantizes x as it reads it (``FP8_QUANT_IN_KERNEL``)
-  instead of a quantization launch before it;
-* ``wide``: its GEMM2 takes chunks of several 128-wide scale groups (``_decode_gemm2_plan``
-  widens FP8 chunks as it does bf16 ones) instead of one;
-* ``splits``: GEMM1's reduction split into up to 16 shares (``PERSISTENT_MAX_SPLITS``) instead
-  of 8.
+* ``wide``: the decode GEMM2 takes chunks of several 128-wide scale groups (``_decode_gemm2_plan``
+  widens FP8 chunks towards DECODE_W2_CHUNK_BYTES as it does bf16 ones) instead of one;
+* ``splits``: the persistent kernel's GEMM1 reduction is split into up to 16 shares
+  (``PERSISTENT_MAX_SPLITS``) instead of 8.
 
 Per shape and (M, beta) point, timed as the bench times (CUDA-graph replay, 256 MB L2 flush
 before each, median of ``--iters``): every FP8 config with bm < 64 of the space (both
-``swap_ab`` ways) with all three changes on ("new"); the split_k = 1 two_launch ones (the
-only ones the changes touch: the decode schedule at M <= bm) with all three off ("old"); on
-the best "new" decode config, each change off in turn; and, as the same-run bf16 reference,
-the bf16 config that won the point in the 51b074d dataset. Every output is checked against
-the "old" output of the same config (bitwise where only ``quant``/``wide`` differ).
-``--profile`` adds the per-kernel GPU µs of the best decode config, old and new.
+``swap_ab`` ways; ``--decode-only``: only the split_k = 1 two_launch ones) with both changes on
+("new"); the decode-schedule ones (split_k = 1 two_launch at M <= bm: the only calls the
+changes touch) with both off ("old"); on the best "new" decode config, each change off in
+turn; and, as a same-run bf16 reference, the bf16 config that won the point in the 51b074d
+dataset. Outputs old vs new must agree within 1e-2 (relative). ``--profile`` adds the
+per-kernel GPU µs of the best decode config, old and new. The JSON is rewritten after every
+point, so a call stopped by its time limit keeps what it measured.
+
+(A third change, the persistent kernel quantizing x as it read it instead of a quantization
+launch, was measured by this probe at 988f7e1 and dropped: 4-40 µs slower; docs/kernel.md.)
 
     PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/fp8_decode_probe.py [--shapes ...] [--out F]
 """
@@ -37,7 +39,7 @@ from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights,
 FP8 = torch.float8_e4m3fn
 POINTS = ((1, 1.0), (4, 1.0), (4, 0.25), (16, 1.0), (16, 0.25))
 SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8", "olmoe-1b-7b", "deepseek-v3-ep32")
-CHANGES = ("quant", "wide", "splits")
+CHANGES = ("wide", "splits")
 # The bf16 winner of each point in benchmarks/results/h200-kernel-51b074d (ids as config_id).
 BF16_WINNERS = {
     ("olmoe-1b-7b", 1): "F-bm16-bn64-bk128-w4-s4-g8-k1", ("olmoe-1b-7b", 4): "T-bm16-bn32-bk128-w4-s3-g1-k1",
@@ -59,34 +61,34 @@ def _module():
 def changes(on: tuple[str, ...]):
     """The module with exactly the changes in ``on`` applied (restored on exit)."""
     fm = _module()
-    saved = fm.FP8_QUANT_IN_KERNEL, fm.PERSISTENT_MAX_SPLITS, fm._decode_gemm2_plan
-    plan = saved[2]
+    saved = fm.PERSISTENT_MAX_SPLITS, fm._decode_gemm2_plan
+    plan = saved[1]
 
     def narrow(H, N, bm, bk, stages, elem_bytes, max_blocks, device):  # FP8: one scale group per chunk
         tile, chunk, splits = plan(H, N, bm, bk, stages, elem_bytes, max_blocks, device)
         return tile, (bk if elem_bytes == 1 else chunk), splits
 
-    fm.FP8_QUANT_IN_KERNEL = "quant" in on
     fm.PERSISTENT_MAX_SPLITS = 16 if "splits" in on else 8
     fm._decode_gemm2_plan = plan if "wide" in on else narrow
     try:
         yield
     finally:
-        fm.FP8_QUANT_IN_KERNEL, fm.PERSISTENT_MAX_SPLITS, fm._decode_gemm2_plan = saved
+        fm.PERSISTENT_MAX_SPLITS, fm._decode_gemm2_plan = saved
 
 
 def _is_decode(c) -> bool:
     return c.form == "two_launch" and c.split_k == 1
 
 
-def _configs(shape):
-    """Every bm < 64 FP8 config of the space (both swap ways), without the GROUP_M duplicates
-    of the decode schedule (which has no swizzle)."""
+def _configs(shape, decode_only: bool):
+    """Every bm < 64 FP8 config of the space (both swap ways; only the split_k = 1 two_launch
+    ones if ``decode_only``), without the GROUP_M duplicates of those (the decode schedule has
+    no swizzle)."""
     from moekit.kernels import config_space
 
     out = []
     for c in config_space(shape.moe_shape, torch.device("cuda"), dtype=FP8):
-        if c.bm < 64 and not (_is_decode(c) and c.group_m != 1):
+        if c.bm < 64 and (_is_decode(c) or not decode_only) and not (_is_decode(c) and c.group_m != 1):
             out.append(c)
     return out
 
@@ -142,6 +144,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="fp8-decode-probe.json")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the best decode config")
+    parser.add_argument("--decode-only", action="store_true", help="only the split_k = 1 two_launch configs")
     args = parser.parse_args()
     from moekit.bench.kernel import bench_shape, config_id, point_routing, point_work
     from moekit.kernels import fused_moe
@@ -149,7 +152,7 @@ def main() -> None:
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     shapes = {name: bench_shape(name) for name in args.shapes}
-    configs = {name: _configs(s) for name, s in shapes.items()}
+    configs = {name: _configs(s, args.decode_only) for name, s in shapes.items()}
     errors = compile_in_pool(_warm, [(n, c) for n, cs in configs.items() for c in cs], args.workers)
     print(f"compiled in {time.perf_counter() - t0:.0f} s, {len(errors)} failed", flush=True)
     ceilings, flusher = ceilings_and_flusher(dev)
@@ -216,7 +219,7 @@ def main() -> None:
                         print(f"    {k}: " + ", ".join(f"{n} {t:.1f}" for n, t in v.items()), flush=True)
             if unequal:
                 print(f"    OUTPUTS DIFFER old vs new: {unequal}", flush=True)
-    write_result(args.out, ceilings, rows, errors, t0)
+            write_result(args.out, ceilings, rows, errors, t0)
 
 
 if __name__ == "__main__":

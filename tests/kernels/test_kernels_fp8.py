@@ -286,26 +286,23 @@ def test_partial_tiles_and_empty_splits():
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["", "swapped"])
-def test_decode_kernel_quantizes_x_and_widens_chunks_bitwise(case, swap, monkeypatch):
-    """The persistent decode kernel quantizes x as it reads it (FP8_QUANT_IN_KERNEL) and its
-    GEMM2 takes several 128-wide scale groups per chunk: neither changes a bit of the result
-    against quantizing x in a launch of its own and one group per chunk. (Bitwise: the decode
-    schedule has no atomics; the quantization is the same helper, the groups are added in the
-    same order.)"""
+def test_decode_gemm2_wide_chunks_are_bitwise_one_group_chunks(case, swap, monkeypatch):
+    """The decode schedule's GEMM2 takes several 128-wide scale groups per chunk (here 2 of
+    N = 256): the same sum, bit for bit, as one group per chunk (no atomics in the decode
+    schedule; the groups are added in the same order)."""
     fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
     cfg = dataclasses.replace(FORMS["two_launch_sk1"], swap_ab=swap)
     x = case.tokens(7).bfloat16()
     ids, tw = synthetic_routing(7, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=13)
     args = (x.to(DEVICE), case.w13.to(DEVICE), case.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg)
-    assert fm_module._decode_gemm2_plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"))[1] == 256
-    new = fused_moe(*args, **case.weight_kwargs())
     plan = fm_module._decode_gemm2_plan
-    monkeypatch.setattr(fm_module, "FP8_QUANT_IN_KERNEL", False)
-    monkeypatch.setattr(fm_module, "_decode_gemm2_plan", lambda *a: (*plan(*a)[:1], 128, plan(*a)[2]))
-    old = fused_moe(*args, **case.weight_kwargs())
-    assert torch.equal(new, old)
+    assert plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"))[1] == 256
+    wide = fused_moe(*args, **case.weight_kwargs())
+    monkeypatch.setattr(fm_module, "_decode_gemm2_plan", lambda *a: (plan(*a)[0], 128, plan(*a)[2]))
+    narrow = fused_moe(*args, **case.weight_kwargs())
+    assert torch.equal(wide, narrow)
     xd = dequantize_groups(*quantize_groups(x, 128), dtype=torch.float64)
-    assert calc_diff(new.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX
+    assert calc_diff(wide.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX
 
 
 def test_default_config(case):

@@ -69,7 +69,7 @@ import functools
 import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
-from moekit.kernels.configs import DECODE_MAX_BM, KernelConfig, fp8_config_error
+from moekit.kernels.configs import KernelConfig, fp8_config_error
 from moekit.kernels.occupancy import resident_ctas_per_sm
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
@@ -549,13 +549,10 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
-                      QUANT_X: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
-        False. QUANT_X (FP8): x is the unquantized 16/32-bit input and the chunk, one 128-column
-        group of each row, is quantized here with ``quantize_groups_triton``'s arithmetic (the
-        same helper), so the call needs no quantization launch and the products are the same."""
+        False."""
         offs_k = c * BK + tl.arange(0, BK)
         k_ok = (offs_k < H) & live
         n_ok = offs_n < N
@@ -567,10 +564,7 @@ if HAVE_TRITON:
         u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             ws_base = ws_ptr + expert.to(tl.int64) * stride_wse + c * stride_wsk
-            if QUANT_X:
-                a, a_s = _quantize_tile(a.to(tl.float32), SOFT_ROUND)
-            else:
-                a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
+            a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
@@ -587,7 +581,7 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -610,13 +604,13 @@ if HAVE_TRITON:
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
                                              stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB, QUANT_X, SOFT_ROUND)
+                                             SWAP_AB)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB, QUANT_X, SOFT_ROUND)
+                                             PRECISION, FP8, SWAP_AB)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                        N, BM, BN, FP8, SOFT_ROUND)
@@ -661,7 +655,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -680,9 +674,7 @@ if HAVE_TRITON:
         kernel twice, PHASES = 1 then 2. Each program walks units pid, pid + grid, ...
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
         every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
-        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
-        QUANT_X (FP8): x comes unquantized and phase 1 quantizes each chunk it reads
-        (``_gate_up_step``): no quantization launch before the kernel."""
+        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows)."""
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
@@ -701,7 +693,7 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, QUANT_X)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB)
                 u += grid
         if PHASES == 3:
             _grid_barrier(sync_ptr, grid)
@@ -885,10 +877,11 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 # flight (Little's law: ~32 GB/s per SM at the copy rate, times ~1-2 µs of loaded latency).
 # With the config's bk = 128 a chunk of a 32-column tile of w2 is 8 KB; the chunk is widened
 # towards DECODE_W2_CHUNK_BYTES (on an H200 this took olmoe's bf16 GEMM2, then with 16-column
-# tiles, from 58 to 42 µs of call time; FP8 widens it by whole 128-column scale groups). The pipeline depth stays the config's:
-# deeper (5-6 stages) measured slower than 3-4. DECODE_CTAS_PER_SM: the named experts are split
-# over more CTAs (``_gemm2_decode_kernel``'s SPLITS) until the grid has about that many per SM
-# (olmoe at M = 1 on an H200: 4 splits of 64 tiles, GEMM2 call 50 -> 35 µs; docs/kernel.md).
+# tiles, from 58 to 42 µs of call time; FP8 widens it by whole 128-column scale groups). The
+# pipeline depth stays the config's: deeper (5-6 stages) measured slower than 3-4.
+# DECODE_CTAS_PER_SM: the named experts are split over more CTAs (``_gemm2_decode_kernel``'s
+# SPLITS) until the grid has about that many per SM (olmoe at M = 1 on an H200: 4 splits of
+# 64 tiles, GEMM2 call 50 -> 35 µs; docs/kernel.md).
 DECODE_W2_CHUNK_BYTES = 16 * 1024
 DECODE_SMEM_BUDGET = 192 * 1024
 DECODE_CTAS_PER_SM = 2
@@ -901,9 +894,6 @@ DECODE_CTAS_PER_SM = 2
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
-# FP8 with an unquantized x: the persistent decode kernel quantizes x as it reads it
-# (``_quantizes_in_kernel``); False quantizes it in a launch of its own first (kept to measure).
-FP8_QUANT_IN_KERNEL = True
 INTERPRET_GRID = 5
 
 
@@ -931,15 +921,13 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     return bn, chunk, splits
 
 
-def _scale_args(scales: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None, unused: torch.Tensor):
+def _scale_args(scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, unused: torch.Tensor):
     """The kernels' FP8 scale arguments: (x scales, stride), (w13 scales, 3 strides), (w2 scales,
-    3 strides). Without FP8 they are never read: any pointer (``unused``) and zero strides; nor
-    are x's where the kernel quantizes x itself (x scales None)."""
+    3 strides). Without FP8 they are never read: any pointer (``unused``) and zero strides."""
     if scales is None:
         return (unused, 0), (unused, 0, 0, 0), (unused, 0, 0, 0)
     xs, w13s, w2s = scales
-    xs_args = (unused, 0) if xs is None else (xs, xs.stride(0))
-    return xs_args, (w13s, *w13s.stride()), (w2s, *w2s.stride())
+    return (xs, xs.stride(0)), (w13s, *w13s.stride()), (w2s, *w2s.stride())
 
 
 def _intermediate(rows: int, N: int, dtype: torch.dtype, fp8: bool, unused: torch.Tensor):
@@ -984,9 +972,6 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     soft = fp8 and _interpreting()
-    quant_x = fp8 and scales[0] is None
-    if quant_x and not (decode and DECODE_PERSISTENT):
-        raise RuntimeError("internal: only the persistent decode kernel quantizes x itself (_quantizes_in_kernel)")
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
@@ -1003,7 +988,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     # blocks are all written by GEMM1, so empty() is safe.
     inter, is_args = _intermediate(al.capacity, N, x2d.dtype, fp8, out)
     if decode and DECODE_PERSISTENT:
-        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft, quant_x,
+        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft,
                         xs_args, w13s_args, w2s_args, is_args)
         return out
     if decode:
@@ -1080,11 +1065,10 @@ def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
 
 
 def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
-                    soft: bool, quant_x: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
+                    soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
     """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
     (a grid as large as the SMs hold, so its barrier cannot wait on a CTA that is not running);
-    two launches, one per phase, in the interpreter. Writes ``out``. ``quant_x``: FP8 weights
-    and an unquantized x2d, which the kernel quantizes as it reads it."""
+    two launches, one per phase, in the interpreter. Writes ``out``."""
     H, N = x2d.shape[1], w2.shape[2]
     device = x2d.device
     num_m = al.max_blocks
@@ -1098,7 +1082,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, QUANT_X=quant_x, num_warps=c.num_warps, num_stages=c.num_stages)
+                 SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages)
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
@@ -1122,18 +1106,6 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
-
-
-def _quantizes_in_kernel(config: KernelConfig, al: Alignment | DirectBlocks, x: torch.Tensor) -> bool:
-    """Whether an FP8 call with an unquantized x leaves its quantization to the kernel: the
-    persistent decode kernel quantizes each 128-column group of x as phase 1 reads it (the
-    same arithmetic as ``quantize_groups_triton``), which saves the call that launch; the
-    other kernels take x quantized. Only for 16-bit x and token blocks of decode size
-    (bm <= DECODE_MAX_BM): phase 1's pipeline then stages x in 2 bytes per element instead of
-    1 (a float32 x at bm = 128 took 240 KB of shared memory, past the 227 KB an SM has), and
-    every (N tile, share) unit re-quantizes its chunk, which is cheap only for few rows."""
-    return (FP8_QUANT_IN_KERNEL and DECODE_PERSISTENT and _decode_schedule(config, al) and x.element_size() == 2
-            and config.bm <= DECODE_MAX_BM)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1201,20 +1173,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     K = topk_ids.shape[1]
     out_dtype = torch.bfloat16 if x.dtype == _FP8 else x.dtype
     x = x.contiguous()
-    if fp8 and x.dtype == _FP8:
-        x, x_scale = _fp8_activations(x, x_scale, "x_scale")
-    elif fp8:
-        _no_scales(x_scale=x_scale)
+    scales = None
+    if fp8:
+        x, xs = _fp8_activations(x, x_scale, "x_scale")
+        scales = (xs, w13_scale, w2_scale)
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
         al = align_tokens(topk_ids, E, config.bm)
-    scales = None
-    if fp8:
-        if x.dtype != _FP8 and not _quantizes_in_kernel(config, al, x):
-            x, x_scale = quantize_groups_triton(x)
-        scales = (x_scale, w13_scale, w2_scale)  # x_scale None: the kernel quantizes x
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
     return _run(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales)
