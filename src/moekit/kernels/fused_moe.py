@@ -50,7 +50,8 @@ activations are e4m3 with one scale per token per 128 columns (``quantize_groups
 ``quant.quantize_groups_triton`` from bf16/fp16/fp32 inputs or handed over already quantized.
 Every reduction chunk is exactly one scale block (bk = 128), so each chunk's fp8 x fp8 dot
 (float32 result) is multiplied by ``a_scale[row, chunk] * w_scale[col block, chunk]`` before
-it is added to the float32 accumulator. Weight scales are loaded per output column (the index
+it is added to the float32 accumulator (the decode GEMM2 loads several blocks per step and
+takes one such dot per block, in order). Weight scales are loaded per output column (the index
 ``col // 128``), so a bn = 256 tile spanning two scale blocks needs nothing special. The SwiGLU
 output is re-quantized per row per 128 columns with the same helper as the activations
 (``quant._quantize_tile``): two_launch in GEMM1's epilogue, which writes the fp8 intermediate
