@@ -26,7 +26,6 @@ launch, was measured by this probe at 988f7e1 and dropped: 4-40 µs slower; docs
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import time
@@ -34,7 +33,7 @@ from dataclasses import replace
 
 import torch
 from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
-                          warm_error, write_result)
+                          probe_parser, warm_error, warm_routing, write_result)
 
 FP8 = torch.float8_e4m3fn
 POINTS = ((1, 1.0), (4, 1.0), (4, 0.25), (16, 1.0), (16, 0.25))
@@ -127,8 +126,7 @@ def _warm(task) -> str | None:
         shape = bench_shape(shape_name)
         small = replace(shape, num_experts=2 * shape.top_k, routed_experts=2 * shape.top_k)
         x, _, (q13, q2, kw) = _inputs(small, torch.device("cuda"))
-        ids = torch.arange(small.top_k, device="cuda").repeat(x.shape[0], 1)
-        w = torch.full(ids.shape, 0.5, device="cuda")
+        ids, w = warm_routing(small.top_k, x.shape[0])
         variants = [CHANGES, ()] if _is_decode(cfg) else [CHANGES]
         for on in variants:
             with changes(on):
@@ -138,11 +136,7 @@ def _warm(task) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--workers", type=int, default=14)
-    parser.add_argument("--out", default="fp8-decode-probe.json")
+    parser = probe_parser(__doc__, SHAPES, "fp8-decode-probe.json")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the best decode config")
     parser.add_argument("--decode-only", action="store_true", help="only the split_k = 1 two_launch configs")
     args = parser.parse_args()

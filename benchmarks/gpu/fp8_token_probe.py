@@ -16,13 +16,12 @@ FP8 sums; tests/kernels/test_kernels_fp8.py bounds it against float64 references
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 
 import torch
 from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
-                          warm_error, write_result)
+                          probe_parser, warm_error, warm_routing, write_result)
 
 FP8 = torch.float8_e4m3fn
 POINTS = ((1, 1.0), (4, 1.0), (4, 0.25), (16, 1.0), (16, 0.25))
@@ -57,8 +56,7 @@ def _warm(task) -> str | None:
         shape = bench_shape(shape_name)
         small = replace(shape, num_experts=2 * shape.top_k, routed_experts=2 * shape.top_k)
         x, q13, q2, kw = _inputs(small, torch.device("cuda"))
-        ids = torch.arange(small.top_k, device="cuda").repeat(x.shape[0], 1)
-        w = torch.full(ids.shape, 0.5, device="cuda")
+        ids, w = warm_routing(small.top_k, x.shape[0])
         for swap in (True, False):
             for m in (1, x.shape[0]):  # direct addressing (M <= bm at every point)
                 fused_moe(x[:m], q13, q2, ids[:m], w[:m], replace(cfg, swap_ab=swap), **kw)
@@ -66,11 +64,7 @@ def _warm(task) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--workers", type=int, default=14)
-    parser.add_argument("--out", default="fp8-token-probe.json")
+    parser = probe_parser(__doc__, SHAPES, "fp8-token-probe.json")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the default config")
     args = parser.parse_args()
     from moekit.bench.kernel import bench_shape, config_id, point_routing, point_work

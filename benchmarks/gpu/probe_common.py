@@ -5,6 +5,7 @@ PYTHONPATH=src, so this directory is on sys.path as the script's own."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import time
@@ -15,6 +16,22 @@ import torch
 from moekit.bench.report import environment
 from moekit.bench.stats import summarize
 from moekit.bench.timing import time_cold
+
+
+def probe_parser(doc: str, shapes, out: str) -> argparse.ArgumentParser:
+    """The options every FP8 probe takes: shapes, timed replays, compile workers, result file."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(shapes))
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--out", default=out)
+    return parser
+
+
+def warm_routing(top_k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing for a compile-warming call: every row to experts 0..top_k-1, weight 0.5 (CUDA)."""
+    ids = torch.arange(top_k, device="cuda").repeat(rows, 1)
+    return ids, torch.full(ids.shape, 0.5, device="cuda")
 
 
 def median_us(fn, flusher, iters: int) -> float:
