@@ -437,26 +437,22 @@ if HAVE_TRITON:
         h_ok = offs_h < H
         a_base = inter_ptr + rows64[:, None] * stride_im
         b_base = w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
-        if FP8:
-            s_base = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
-            for g in tl.static_range(BK // _SB):
-                group = c * (BK // _SB) + g
-                offs_k = group * _SB + tl.arange(0, _SB)
-                k_ok = offs_k < N
-                a = tl.load(a_base + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_base + offs_k[:, None] * stride_wk, mask=live & k_ok[:, None] & h_ok[None, :],
-                            other=0.0)  # [128, BN] = w2[e].T tile
+        s_base = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
+        GROUP: tl.constexpr = _SB if FP8 else BK  # the reduction width of one dot
+        for g in tl.static_range(BK // GROUP):
+            group = c * (BK // GROUP) + g
+            offs_k = group * GROUP + tl.arange(0, GROUP)
+            k_ok = offs_k < N
+            a = tl.load(a_base + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_base + offs_k[:, None] * stride_wk, mask=live & k_ok[:, None] & h_ok[None, :],
+                        other=0.0)  # [GROUP, BN] = w2[e].T tile
+            if FP8:
                 group_ok = group < N // _SB
                 a_s = tl.load(is_ptr + rows64 * stride_ism + group, mask=row_ok & group_ok, other=0.0)
                 b_s = tl.load(s_base + group * stride_wsk, mask=live & h_ok & group_ok, other=0.0)
                 acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :]) * w[:, None]
-        else:
-            offs_k = c * BK + tl.arange(0, BK)
-            k_ok = offs_k < N
-            a = tl.load(a_base + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_base + offs_k[:, None] * stride_wk, mask=live & k_ok[:, None] & h_ok[None, :],
-                        other=0.0)  # [BK, BN] = w2[e].T tile
-            acc += tl.dot(a, b, input_precision=PRECISION) * w[:, None]
+            else:
+                acc += tl.dot(a, b, input_precision=PRECISION) * w[:, None]
         return acc
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE_DECODE)
