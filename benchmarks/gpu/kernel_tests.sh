@@ -3,7 +3,8 @@
 # each process is stopped after TEST_TIMEOUT_S, default 540 s, so the log always comes back).
 #
 # Runs, as parallel processes on the one GPU (compiles dominate, so they spread over the cores):
-#   * tests/gpu/test_align_gpu.py and tests/kernels natively (compiled kernels, not the interpreter);
+#   * tests/gpu/test_align_gpu.py, test_pdl_gpu.py and tests/kernels natively (compiled kernels, not
+#     the interpreter);
 #   * tests/gpu/test_fused_moe_gpu.py (every bf16 config) in $SHARDS interleaved shards;
 #   * tests/gpu/test_fused_moe_fp8_gpu.py (every FP8 config) in $SHARDS shards;
 #   * tests/gpu/test_kernel_bench_gpu.py (the bench's timing helpers).
@@ -30,7 +31,8 @@ PARTS=${PARTS:-native bench bf16 fp8}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 declare -A pids
 if want native; then
-  "${T[@]}" python3 -m pytest tests/gpu/test_align_gpu.py tests/kernels "${pytest_args[@]}" > "$logs/native.txt" 2>&1 &
+  "${T[@]}" python3 -m pytest tests/gpu/test_align_gpu.py tests/gpu/test_pdl_gpu.py tests/kernels "${pytest_args[@]}" \
+    > "$logs/native.txt" 2>&1 &
   pids[native]=$!
 fi
 if want bench; then

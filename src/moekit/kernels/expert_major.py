@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.kernels import pdl
 from moekit.kernels.align import align_expert_major
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.fused_moe import (_FP8, _SUPPORTED, HAVE_TRITON, _check_config, _check_scale,
@@ -48,6 +49,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from moekit.kernels.fused_moe import _block_coords, _down_tile, _store_act, _swiglu_tile
+    from moekit.kernels.pdl import pdl_prologue
 
     # The counts change every call; their bounds must not select a binary.
     _NO_SPECIALIZE_EM = ["num_experts", "capacity"]
@@ -83,10 +85,13 @@ if HAVE_TRITON:
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
         EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr, SOFT_ROUND: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T), over the units
         (live block, N tile) pid, pid + grid, ...; padding rows get zeros (their A rows are
-        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``)."""
+        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``). PDL: GEMM2
+        may launch at once (``pdl``)."""
+        pdl_prologue(PDL, True)
         rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
         num_n = tl.cdiv(N, BN)
         u = tl.program_id(0)
@@ -109,9 +114,12 @@ if HAVE_TRITON:
         is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
         EP: tl.constexpr, WHOLE_CHUNKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[row] = inter[b * BM + i] @ w2[e].T for the valid rows of live block b, stored
-        once in the output's dtype, over the units (live block, H tile) pid, pid + grid, ..."""
+        once in the output's dtype, over the units (live block, H tile) pid, pid + grid, ...
+        PDL: waits for GEMM1."""
+        pdl_prologue(PDL, False)
         rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
         num_n = tl.cdiv(H, BN)
         u = tl.program_id(0)
@@ -149,9 +157,10 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     max_blocks = E * triton.cdiv(capacity, c.bm)
     inter, is_args = _intermediate(max_blocks * c.bm, N, a.dtype, fp8, out)
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
+    on = pdl.pdl_on(a.device)
     common = dict(EP=triton.next_power_of_2(E), BM=c.bm, BK=c.bk, GROUP_M=c.group_m, PRECISION=_precision(a.dtype),
-                  FP8=fp8, SWAP_AB=c.swap_ab, num_warps=c.num_warps,
-                  num_stages=c.num_stages)
+                  FP8=fp8, SWAP_AB=c.swap_ab, PDL=on, num_warps=c.num_warps,
+                  num_stages=c.num_stages, **pdl.launch_options(on))
 
     args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
              xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])

@@ -71,6 +71,7 @@ import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
+from moekit.kernels import pdl
 from moekit.kernels.occupancy import resident_ctas_per_sm
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
@@ -93,6 +94,7 @@ def _interpreting() -> bool:
 
 
 if HAVE_TRITON:
+    from moekit.kernels.pdl import pdl_prologue
     from moekit.kernels.quant import _quantize_tile
 
     # H and N are tl.constexpr in every kernel: the K loops then have compile-time trip counts
@@ -287,7 +289,7 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTERS: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
 
@@ -295,7 +297,8 @@ if HAVE_TRITON:
         arrival counts (``_gemm2_decode_kernel``, which runs after this kernel on the stream),
         which saves that call a memset launch.
         FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns; SWAP_AB:
-        see ``_fp8_dot``."""
+        see ``_fp8_dot``. PDL: GEMM2 may launch at once (``pdl``)."""
+        pdl_prologue(PDL, True)
         if COUNTERS > 0:
             if tl.program_id(0) == 0:
                 offs_c = tl.arange(0, COUNTERS)
@@ -390,11 +393,13 @@ if HAVE_TRITON:
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
-        FP8: see ``_down_tile``; SWAP_AB: ``_fp8_dot``."""
+        FP8: see ``_down_tile``; SWAP_AB: ``_fp8_dot``. PDL: the cast may launch at once."""
+        pdl_prologue(PDL, True)
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, rows, _, out_rows, row_ok, w = _block_rows(
@@ -464,6 +469,7 @@ if HAVE_TRITON:
         MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
         KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """two_launch under direct addressing with split_k = 1, step 2, without atomic adds:
         the CTAs of column tile h (grid axis 0) own out[:, h-tile]. CTA (h, s) walks the s-th
@@ -482,7 +488,8 @@ if HAVE_TRITON:
         RUNTIME_TRIP: the trip count is the CTA's share of the named experts (counted here from
         the ids); Triton's interpreter cannot loop to a run-time bound, so there it walks
         ceil(MAX_BLOCKS / SPLITS) experts (no share is longer) and the ones past its share are
-        masked out (no loads, zero contribution). FP8: as ``_down_tile``."""
+        masked out (no loads, zero contribution). FP8: as ``_down_tile``. PDL: waits for GEMM1."""
+        pdl_prologue(PDL, False)
         ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS, True)
         num_named = tl.max(named, 0)
         # Never more splits than named experts: the CTAs past those exit, and with one named
@@ -652,7 +659,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -671,7 +678,9 @@ if HAVE_TRITON:
         kernel twice, PHASES = 1 then 2. Each program walks units pid, pid + grid, ...
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
         every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
-        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows)."""
+        as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
+        PDL: waits for the zeroing of ``sync`` (``pdl``)."""
+        pdl_prologue(PDL, False)
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
@@ -718,14 +727,15 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
 
         FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
         scale block h0: one activation scale per row and one w2 scale per chunk. SWAP_AB: see
-        ``_fp8_dot``."""
+        ``_fp8_dot``. PDL: the cast may launch at once (``pdl``)."""
+        pdl_prologue(PDL, True)
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
@@ -959,14 +969,15 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     if num_m == 0:
         return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
     out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
-           else torch.zeros(out_rows, H, dtype=torch.float32, device=device))
+           else pdl.zeros((out_rows, H), torch.float32, device))
     fp8 = scales is not None
     prec = _precision(x2d.dtype)
     c = config
     mul_weight = weights is not None
     wptr = weights if mul_weight else out  # any pointer; never read when MUL_WEIGHT is False
     addr, addr_const = al.kernel_args()
-    launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+    on = pdl.pdl_on(device)
+    launch = dict(num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, **pdl.launch_options(on))
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     soft = fp8 and _interpreting()
     if c.form == "fused":
@@ -980,7 +991,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
             SWAP_AB=c.swap_ab, **launch,
         )
-        return out.to(out_dtype)
+        return pdl.cast(out, out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
     # blocks are all written by GEMM1, so empty() is safe.
     inter, is_args = _intermediate(al.capacity, N, x2d.dtype, fp8, out)
@@ -1027,7 +1038,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
         SWAP_AB=c.swap_ab, **launch,
     )
-    return out.to(out_dtype)
+    return pdl.cast(out, out_dtype)
 
 
 _RESIDENT_GRIDS: dict[tuple, int] = {}  # resident_grid's answer per binary
@@ -1075,11 +1086,12 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     addr, addr_const = al.kernel_args()
     ids, num_tokens, top_k, num_experts = addr[4:]
     interp = _interpreting()
+    on = pdl.pdl_on(device)
     # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages)
+                 SWAP_AB=c.swap_ab, PDL=on, num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
         return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
@@ -1098,7 +1110,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
         grid = resident_grid(_persistent_decode_kernel, args(sync_type, f32, f32), {**launches[0], **const},
                              PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
-    sync = torch.zeros(1 + grid + tiles2, dtype=torch.int32, device=device)
+    sync = pdl.zeros((1 + grid + tiles2,), torch.int32, device)
     part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from moekit.kernels.pdl import launch_options, pdl_on
+
 try:  # Triton is optional: the package imports without it, the kernels need it.
     import triton
     import triton.language as tl
@@ -56,6 +58,8 @@ if HAVE_TRITON:
     # Module constants a @triton.jit function reads must be tl.constexpr.
     _FP8_MAX = tl.constexpr(FP8_MAX)
     _MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+    from moekit.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _e4m3_round(v):
@@ -91,8 +95,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
-                                BM: tl.constexpr, GROUP: tl.constexpr, SOFT_ROUND: tl.constexpr):
-        """Program (i, g): rows [i*BM, (i+1)*BM), columns of group g."""
+                                BM: tl.constexpr, GROUP: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                                PDL: tl.constexpr):
+        """Program (i, g): rows [i*BM, (i+1)*BM), columns of group g. PDL: the experts' kernels
+        that follow may launch at once (``pdl``)."""
+        pdl_prologue(PDL, True)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         g = tl.program_id(1)
         cols = g * GROUP + tl.arange(0, GROUP)
@@ -123,6 +130,8 @@ def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return q, scales
     bm = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, bm), H // FP8_GROUP)
+    on = pdl_on(x.device)
     _quantize_groups_kernel[grid](x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
-                                  BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), num_warps=4)
+                                  BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on, num_warps=4,
+                                  **launch_options(on))
     return q, scales

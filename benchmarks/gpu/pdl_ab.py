@@ -1,0 +1,266 @@
+"""Developer probe: the fused MoE calls with and without programmatic dependent launch
+(``moekit.kernels.pdl.ENABLED``), in the same process, interleaved (off, on, off, on, ...).
+
+* bf16 (``--bf16``): every M <= 16 point of the bf16 dataset (``--table``, by default
+  benchmarks/results/h200-kernel-51b074d) with its routing, x and weights drawn as the bench
+  draws them, and the ``--top`` configs that were fastest there. Per point: the best µs with
+  PDL off and on, and its % of the measured HBM copy rate over the bytes the call must move
+  (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be read.
+* FP8 (``--fp8``): the decode points of fp8_decode_probe.py with its winning configs.
+* expert-major (``--em``): ``fused_moe_expert_major``'s default config at the loads of
+  expert_major_probe.py (one rank of two), bf16 and FP8.
+
+Each (point, config) is timed as the bench times it (CUDA-graph replay, 256 MB L2 flush before
+each replay, median of ``--iters``), ``--rounds`` times each way; the result is the median of
+the rounds. Where the call is deterministic (the decode schedule, the expert-major kernels) the
+outputs with PDL on and off must be equal bit for bit; elsewhere (float32 atomics) within 1e-2.
+``--profile`` adds the per-kernel GPU µs of each point's best config, off and on.
+
+    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/pdl_ab.py --bf16 --fp8 --em [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import fields
+
+import torch
+from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
+                          warm_error, warm_routing, write_result)
+
+TABLE = "benchmarks/results/h200-kernel-51b074d/kernel-cpu-0x-20261123T053014Z-table.json.gz"
+FP8 = torch.float8_e4m3fn
+FP8_POINTS = ((1, 1.0), (16, 1.0), (16, 0.25))
+FP8_SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8", "olmoe-1b-7b", "deepseek-v3-ep32")
+FP8_CONFIGS = ("T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1-x",
+               "T-bm16-bn128-bk128-w4-s4-g1-k1-x")
+EM_SHAPES = ("qwen3-30b-a3b", "deepseek-v3")  # model shapes (moekit.shapes), one rank of two
+
+
+def config_of(record_or_id):
+    """KernelConfig from a dataset config record, or from a ``config_id`` string."""
+    from moekit.kernels import KernelConfig
+
+    if isinstance(record_or_id, dict):
+        return KernelConfig(**{f.name: record_or_id[f.name] for f in fields(KernelConfig)})
+    form, *parts = record_or_id.split("-")
+    v = {"bn2": 0, "swap_ab": False}
+    keys = {"bm": "bm", "bn": "bn", "bk": "bk", "w": "num_warps", "s": "num_stages", "g": "group_m", "k": "split_k",
+            "n": "bn2"}
+    for p in parts:
+        if p == "x":
+            v["swap_ab"] = True
+            continue
+        key = next(k for k in sorted(keys, key=len, reverse=True) if p.startswith(k) and p[len(k):].isdigit())
+        v[keys[key]] = int(p[len(key):])
+    return KernelConfig(form="fused" if form == "F" else "two_launch", **v)
+
+
+def deterministic(c) -> bool:
+    """The decode schedule (two_launch, split_k 1, direct addressing at M <= bm): fixed order."""
+    return c.form == "two_launch" and c.split_k == 1
+
+
+class Pdl:
+    """``with Pdl(on):`` runs with PDL on or off (restored on exit)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from moekit.kernels import pdl
+
+        self.saved, pdl.ENABLED = pdl.ENABLED, self.on
+
+    def __exit__(self, *exc):
+        from moekit.kernels import pdl
+
+        pdl.ENABLED = self.saved
+
+
+def _fp8_weights(w13, w2):
+    from moekit.fp8 import quantize_blocks
+
+    (q13, s13), (q2, s2) = quantize_blocks(w13, 128), quantize_blocks(w2, 128)
+    return q13, q2, dict(w13_scale=s13, w2_scale=s2)
+
+
+def _warm(task) -> str | None:
+    """Compile one token-path config both ways (a pool worker), at a small expert count."""
+    shape_name, cid, fp8 = task
+
+    def launch():
+        from dataclasses import replace
+
+        from moekit.bench.kernel import bench_shape
+        from moekit.kernels import fused_moe
+
+        s = bench_shape(shape_name)
+        s = replace(s, num_experts=2 * s.top_k, routed_experts=2 * s.top_k)
+        w13, w2 = expert_weights(s, torch.device("cuda"))
+        x = torch.randn(16, s.hidden, device="cuda", dtype=torch.bfloat16)
+        ids, w = warm_routing(s.top_k, 16)
+        args, kw = ((w13, w2), {}) if not fp8 else (_fp8_weights(w13, w2)[:2], _fp8_weights(w13, w2)[2])
+        for on in (False, True):
+            with Pdl(on):
+                for m in (1, 16):
+                    fused_moe(x[:m], *args, ids[:m], w[:m], config_of(cid), **kw)
+    return warm_error(f"{shape_name} {cid}", launch)
+
+
+def ab(call, flusher, rounds: int, iters: int) -> dict:
+    """Outputs and medians of ``call`` with PDL off and on, interleaved over ``rounds``."""
+    out = {}
+    for on in (False, True):
+        with Pdl(on):
+            out[on] = call().clone()
+    same = torch.equal(out[False], out[True])
+    rel = float((out[True].float() - out[False].float()).norm() / out[False].float().norm().clamp_min(1e-30))
+    samples = {False: [], True: []}
+    for _ in range(rounds):
+        for on in (False, True):
+            with Pdl(on):
+                samples[on].append(median_us(call, flusher, iters))
+    return {"off_us": statistics.median(samples[False]), "on_us": statistics.median(samples[True]),
+            "off_rounds": samples[False], "on_rounds": samples[True], "bitwise": same, "rel": rel}
+
+
+def _check(row: dict, exact: bool) -> None:
+    ok = row["bitwise"] if exact else row["rel"] < 1e-2
+    row["check"] = "ok" if ok else "MISMATCH"
+
+
+def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
+    from moekit.bench.kernel import bench_shape, point_routing
+    from moekit.bench.kernel_report import load_table
+    from moekit.kernels import fused_moe
+
+    table = load_table(args.table)
+    cfgs = table["configs"]
+    points = [p for p in table["points"] if p["M"] <= 16 and p["weight_bytes"] > 0 and p["shape"] in args.shapes]
+    plan = {}
+    for p in points:
+        idx = table["shapes"][p["shape"]]["configs"]
+        timed = sorted((t, i) for i, t in zip(idx, p["median_us"]) if t is not None)
+        plan[id(p)] = [(cfgs[i]["id"], t) for t, i in timed[:args.top]]
+    compile_in_pool(_warm, sorted({(p["shape"], c, False) for p in points for c, _ in plan[id(p)]}), args.workers)
+    hbm = ceilings["hbm_gbps"]
+    for name in args.shapes:
+        s = bench_shape(name)
+        w13, w2 = expert_weights(s, dev)  # the bench's draw (seed 17, w13 then w2)
+        for p in (q for q in points if q["shape"] == name):
+            M = p["M"]
+            g = torch.Generator(device=dev).manual_seed(7 * M + 1)
+            x = torch.randn(M, s.hidden, generator=g, device=dev, dtype=torch.bfloat16)
+            r = point_routing(s, M, p["beta"], M)
+            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            best = {}
+            for cid, dataset_us in plan[id(p)]:
+                c = config_of(cid)
+                row = {"part": "bf16", "shape": name, "M": M, "beta": p["beta"], "config": cid,
+                       "dataset_us": dataset_us, "bytes": p["bytes"],
+                       **ab(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher, args.rounds, args.iters)}
+                _check(row, deterministic(c))
+                rows.append(row)
+                for on in (False, True):
+                    key = "on_us" if on else "off_us"
+                    if on not in best or row[key] < best[on][0]:
+                        best[on] = (row[key], cid)
+                print(f"{name:17s} M={M:2d} b={p['beta']:4.2f} {cid:32s} off {row['off_us']:6.1f} on "
+                      f"{row['on_us']:6.1f} us ({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
+            pct = {on: 100 * p["bytes"] / (best[on][0] * 1e-6) / 1e9 / hbm for on in (False, True)}
+            rows.append({"part": "bf16-point", "shape": name, "M": M, "beta": p["beta"],
+                         "best_off_us": best[False][0], "best_off": best[False][1], "best_on_us": best[True][0],
+                         "best_on": best[True][1], "hbm_off%": pct[False], "hbm_on%": pct[True]})
+            print(f"  point best: off {best[False][0]:6.1f} us ({pct[False]:.1f} %), on {best[True][0]:6.1f} us "
+                  f"({pct[True]:.1f} %)", flush=True)
+            if args.profile:
+                c = config_of(best[True][1])
+                for on in (False, True):
+                    with Pdl(on):
+                        k = kernel_breakdown(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher)
+                    print(f"    kernels {'on ' if on else 'off'}: " + ", ".join(f"{n} {us:.1f}" for n, us in k.items()))
+    summary = [r for r in rows if r["part"] == "bf16-point"]
+    for on in (False, True):
+        n = sum(r["hbm_on%" if on else "hbm_off%"] >= 70 for r in summary)
+        print(f"bf16 M <= 16 points at >= 70 % of the copy rate, PDL {'on' if on else 'off'}: {n} of {len(summary)}")
+
+
+def run_fp8(args, dev, flusher, rows: list) -> None:
+    from moekit.bench.kernel import bench_shape, point_routing
+    from moekit.kernels import fused_moe
+
+    shapes = [n for n in FP8_SHAPES if n in args.shapes]
+    compile_in_pool(_warm, [(n, c, True) for n in shapes for c in FP8_CONFIGS], args.workers)
+    for name in shapes:
+        s = bench_shape(name)
+        q13, q2, kw = _fp8_weights(*expert_weights(s, dev))
+        for M, beta in FP8_POINTS:
+            x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
+            r = point_routing(s, M, beta, M)
+            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            for cid in FP8_CONFIGS:
+                c = config_of(cid)
+                row = {"part": "fp8", "shape": name, "M": M, "beta": beta, "config": cid,
+                       **ab(lambda c=c: fused_moe(x, q13, q2, ids, tw, c, **kw), flusher, args.rounds, args.iters)}
+                _check(row, deterministic(c))
+                rows.append(row)
+                print(f"fp8 {name:17s} M={M:2d} b={beta:4.2f} {cid:34s} off {row['off_us']:6.1f} on "
+                      f"{row['on_us']:6.1f} us ({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
+
+
+def run_em(args, dev, flusher, rows: list) -> None:
+    from expert_major_probe import LOADS, _counts, _inputs
+
+    from moekit.kernels import fused_moe_expert_major
+    from moekit.shapes import get_shape
+
+    for name in EM_SHAPES:
+        shape = get_shape(name)
+        for precision in ("bf16", "fp8"):
+            inp = _inputs(shape, dev, precision)
+            for label, T, zipf in LOADS:
+                counts = _counts(shape, T, zipf, seed=T).to(dev)
+                row = {"part": "em", "shape": name, "precision": precision, "load": label,
+                       **ab(lambda: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None,
+                                                           **inp["kw"]), flusher, args.rounds, args.iters)}
+                _check(row, True)
+                rows.append(row)
+                print(f"em {name:17s} {precision} {label:13s} off {row['off_us']:6.1f} on {row['on_us']:6.1f} us "
+                      f"({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--em", action="store_true")
+    p.add_argument("--table", default=TABLE)
+    p.add_argument("--shapes", nargs="+", default=["olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8",
+                                                   "deepseek-v3-ep32", "mixtral-8x7b"])
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--workers", type=int, default=14)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default="pdl-ab.json")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    dev = torch.device("cuda", 0)
+    ceilings, flusher = ceilings_and_flusher(dev)
+    rows: list = []
+    try:
+        if args.bf16:
+            run_bf16(args, dev, ceilings, flusher, rows)
+        if args.fp8:
+            run_fp8(args, dev, flusher, rows)
+        if args.em:
+            run_em(args, dev, flusher, rows)
+    finally:
+        write_result(args.out, ceilings, rows, [], t0)
+
+
+if __name__ == "__main__":
+    main()
