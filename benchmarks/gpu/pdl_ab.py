@@ -1,11 +1,17 @@
 """Developer probe: the fused MoE calls with and without programmatic dependent launch
-(``moekit.kernels.pdl.ENABLED``), in the same process, interleaved (off, on, off, on, ...).
+(``moekit.kernels.pdl``), in the same process, interleaved (off, on, off, on, ...).
+
+``--variants`` names the launch modes compared: ``off`` (PDL off), ``on`` (PDL with the
+library's ``pdl.EARLY`` table), ``on-ROLE[+ROLE...]`` (PDL, those roles' kernels not letting
+their dependents launch at their start) and ``on+ROLE[+ROLE...]`` (PDL, only those roles early).
+The first variant is the reference the others are compared and checked against.
 
 * bf16 (``--bf16``): every M <= 16 point of the bf16 dataset (``--table``, by default
   benchmarks/results/h200-kernel-51b074d) with its routing, x and weights drawn as the bench
-  draws them, and the ``--top`` configs that were fastest there. Per point: the best µs with
-  PDL off and on, and its % of the measured HBM copy rate over the bytes the call must move
-  (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be read.
+  draws them, and the ``--top`` configs that were fastest there (or ``--configs``). Per point:
+  the best µs of each variant and its % of the measured HBM copy rate over the bytes the call
+  must move (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be
+  read.
 * FP8 (``--fp8``): the decode points of fp8_decode_probe.py with its winning configs.
 * expert-major (``--em``): ``fused_moe_expert_major``'s default config at the loads of
   expert_major_probe.py (one rank of two), bf16 and FP8.
@@ -13,10 +19,11 @@
 Each (point, config) is timed as the bench times it (CUDA-graph replay, 256 MB L2 flush before
 each replay, median of ``--iters``), ``--rounds`` times each way; the result is the median of
 the rounds. Where the call is deterministic (the decode schedule, the expert-major kernels) the
-outputs with PDL on and off must be equal bit for bit; elsewhere (float32 atomics) within 1e-2.
-``--profile`` adds the per-kernel GPU µs of each point's best config, off and on.
+outputs of every variant must equal the first's bit for bit; elsewhere (float32 atomics) within
+1e-2. ``--profile`` adds the per-kernel GPU µs of each point's best config under each variant.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/pdl_ab.py --bf16 --fp8 --em [--out F]
+    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/pdl_ab.py --bf16 --fp8 --em \
+        [--variants off on on-gemm1] [--out F]
 """
 
 from __future__ import annotations
@@ -64,20 +71,36 @@ def deterministic(c) -> bool:
 
 
 class Pdl:
-    """``with Pdl(on):`` runs with PDL on or off (restored on exit)."""
+    """``with Pdl(variant):`` runs in a launch mode of ``--variants`` (restored on exit)."""
 
-    def __init__(self, on: bool):
-        self.on = on
+    def __init__(self, variant: str):
+        from moekit.kernels import pdl
+
+        self.on = variant != "off"
+        self.early = dict(pdl.EARLY)
+        if variant.startswith("on-"):
+            self.early.update({role: False for role in variant[3:].split("+")})
+        elif variant.startswith("on+"):
+            only = variant[3:].split("+")
+            self.early = {role: role in only for role in self.early} | {role: True for role in only}
+        elif variant not in ("on", "off"):
+            raise ValueError(f"unknown variant {variant!r}")
+        unknown = set(self.early) - set(pdl.EARLY)
+        if unknown:
+            raise ValueError(f"unknown kernel roles {sorted(unknown)} (pdl.EARLY has {sorted(pdl.EARLY)})")
 
     def __enter__(self):
         from moekit.kernels import pdl
 
-        self.saved, pdl.ENABLED = pdl.ENABLED, self.on
+        self.saved = pdl.ENABLED, dict(pdl.EARLY)
+        pdl.ENABLED = self.on
+        pdl.EARLY.update(self.early)
 
     def __exit__(self, *exc):
         from moekit.kernels import pdl
 
-        pdl.ENABLED = self.saved
+        pdl.ENABLED = self.saved[0]
+        pdl.EARLY.update(self.saved[1])
 
 
 def _fp8_weights(w13, w2):
@@ -88,8 +111,8 @@ def _fp8_weights(w13, w2):
 
 
 def _warm(task) -> str | None:
-    """Compile one token-path config both ways (a pool worker), at a small expert count."""
-    shape_name, cid, fp8 = task
+    """Compile one token-path config in every variant (a pool worker), at a small expert count."""
+    shape_name, cid, fp8, variants = task
 
     def launch():
         from dataclasses import replace
@@ -103,33 +126,39 @@ def _warm(task) -> str | None:
         x = torch.randn(16, s.hidden, device="cuda", dtype=torch.bfloat16)
         ids, w = warm_routing(s.top_k, 16)
         args, kw = ((w13, w2), {}) if not fp8 else (_fp8_weights(w13, w2)[:2], _fp8_weights(w13, w2)[2])
-        for on in (False, True):
-            with Pdl(on):
+        for v in variants:
+            with Pdl(v):
                 for m in (1, 16):
                     fused_moe(x[:m], *args, ids[:m], w[:m], config_of(cid), **kw)
     return warm_error(f"{shape_name} {cid}", launch)
 
 
-def ab(call, flusher, rounds: int, iters: int) -> dict:
-    """Outputs and medians of ``call`` with PDL off and on, interleaved over ``rounds``."""
+def ab(call, flusher, variants: list[str], rounds: int, iters: int, exact: bool) -> dict:
+    """Medians of ``call`` in each variant, interleaved over ``rounds``, and the check of each
+    variant's output against the first's (bitwise where ``exact``, else relative error < 1e-2)."""
     out = {}
-    for on in (False, True):
-        with Pdl(on):
-            out[on] = call().clone()
-    same = torch.equal(out[False], out[True])
-    rel = float((out[True].float() - out[False].float()).norm() / out[False].float().norm().clamp_min(1e-30))
-    samples = {False: [], True: []}
+    for v in variants:
+        with Pdl(v):
+            out[v] = call().clone()
+    ref = out[variants[0]].float()
+    checks = {}
+    for v in variants[1:]:
+        rel = float((out[v].float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        checks[v] = torch.equal(out[v], out[variants[0]]) if exact else rel < 1e-2
+    samples = {v: [] for v in variants}
     for _ in range(rounds):
-        for on in (False, True):
-            with Pdl(on):
-                samples[on].append(median_us(call, flusher, iters))
-    return {"off_us": statistics.median(samples[False]), "on_us": statistics.median(samples[True]),
-            "off_rounds": samples[False], "on_rounds": samples[True], "bitwise": same, "rel": rel}
+        for v in variants:
+            with Pdl(v):
+                samples[v].append(median_us(call, flusher, iters))
+    return {"us": {v: statistics.median(t) for v, t in samples.items()}, "rounds": samples,
+            "check": "ok" if all(checks.values()) else "MISMATCH " + " ".join(v for v, ok in checks.items() if not ok)}
 
 
-def _check(row: dict, exact: bool) -> None:
-    ok = row["bitwise"] if exact else row["rel"] < 1e-2
-    row["check"] = "ok" if ok else "MISMATCH"
+def line(row: dict, variants: list[str]) -> str:
+    """The variants' medians, each after the first with its difference from the first."""
+    us = row["us"]
+    ref = us[variants[0]]
+    return " ".join([f"{variants[0]} {ref:6.1f}"] + [f"{v} {us[v]:6.1f} ({us[v] - ref:+.1f})" for v in variants[1:]])
 
 
 def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
@@ -143,9 +172,12 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
     plan = {}
     for p in points:
         idx = table["shapes"][p["shape"]]["configs"]
-        timed = sorted((t, i) for i, t in zip(idx, p["median_us"]) if t is not None)
-        plan[id(p)] = [(cfgs[i]["id"], t) for t, i in timed[:args.top]]
-    compile_in_pool(_warm, sorted({(p["shape"], c, False) for p in points for c, _ in plan[id(p)]}), args.workers)
+        timed = {cfgs[i]["id"]: t for i, t in zip(idx, p["median_us"]) if t is not None}
+        top = sorted(timed, key=timed.get)[:args.top]
+        plan[id(p)] = [(cid, timed.get(cid)) for cid in (args.configs or top)]
+    V = args.variants
+    compile_in_pool(_warm, sorted({(p["shape"], c, False, tuple(V)) for p in points for c, _ in plan[id(p)]}),
+                    args.workers)
     hbm = ceilings["hbm_gbps"]
     for name in args.shapes:
         s = bench_shape(name)
@@ -161,31 +193,28 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
                 c = config_of(cid)
                 row = {"part": "bf16", "shape": name, "M": M, "beta": p["beta"], "config": cid,
                        "dataset_us": dataset_us, "bytes": p["bytes"],
-                       **ab(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher, args.rounds, args.iters)}
-                _check(row, deterministic(c))
+                       **ab(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher, V, args.rounds, args.iters,
+                            deterministic(c))}
                 rows.append(row)
-                for on in (False, True):
-                    key = "on_us" if on else "off_us"
-                    if on not in best or row[key] < best[on][0]:
-                        best[on] = (row[key], cid)
-                print(f"{name:17s} M={M:2d} b={p['beta']:4.2f} {cid:32s} off {row['off_us']:6.1f} on "
-                      f"{row['on_us']:6.1f} us ({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
-            pct = {on: 100 * p["bytes"] / (best[on][0] * 1e-6) / 1e9 / hbm for on in (False, True)}
+                for v in V:
+                    if v not in best or row["us"][v] < best[v][0]:
+                        best[v] = (row["us"][v], cid)
+                print(f"{name:17s} M={M:2d} b={p['beta']:4.2f} {cid:32s} {line(row, V)} us {row['check']}",
+                      flush=True)
+            pct = {v: 100 * p["bytes"] / (best[v][0] * 1e-6) / 1e9 / hbm for v in V}
             rows.append({"part": "bf16-point", "shape": name, "M": M, "beta": p["beta"],
-                         "best_off_us": best[False][0], "best_off": best[False][1], "best_on_us": best[True][0],
-                         "best_on": best[True][1], "hbm_off%": pct[False], "hbm_on%": pct[True]})
-            print(f"  point best: off {best[False][0]:6.1f} us ({pct[False]:.1f} %), on {best[True][0]:6.1f} us "
-                  f"({pct[True]:.1f} %)", flush=True)
+                         "best_us": {v: best[v][0] for v in V}, "best": {v: best[v][1] for v in V}, "hbm%": pct})
+            print("  point best: " + ", ".join(f"{v} {best[v][0]:6.1f} us ({pct[v]:.1f} %)" for v in V), flush=True)
             if args.profile:
-                c = config_of(best[True][1])
-                for on in (False, True):
-                    with Pdl(on):
+                c = config_of(best[V[-1]][1])
+                for v in V:
+                    with Pdl(v):
                         k = kernel_breakdown(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher)
-                    print(f"    kernels {'on ' if on else 'off'}: " + ", ".join(f"{n} {us:.1f}" for n, us in k.items()))
+                    print(f"    kernels {v}: " + ", ".join(f"{n} {us:.1f}" for n, us in k.items()))
     summary = [r for r in rows if r["part"] == "bf16-point"]
-    for on in (False, True):
-        n = sum(r["hbm_on%" if on else "hbm_off%"] >= 70 for r in summary)
-        print(f"bf16 M <= 16 points at >= 70 % of the copy rate, PDL {'on' if on else 'off'}: {n} of {len(summary)}")
+    for v in V:
+        n = sum(r["hbm%"][v] >= 70 for r in summary)
+        print(f"bf16 M <= 16 points at >= 70 % of the copy rate, {v}: {n} of {len(summary)}")
 
 
 def run_fp8(args, dev, flusher, rows: list) -> None:
@@ -193,7 +222,8 @@ def run_fp8(args, dev, flusher, rows: list) -> None:
     from moekit.kernels import fused_moe
 
     shapes = [n for n in FP8_SHAPES if n in args.shapes]
-    compile_in_pool(_warm, [(n, c, True) for n in shapes for c in FP8_CONFIGS], args.workers)
+    V = args.variants
+    compile_in_pool(_warm, [(n, c, True, tuple(V)) for n in shapes for c in FP8_CONFIGS], args.workers)
     for name in shapes:
         s = bench_shape(name)
         q13, q2, kw = _fp8_weights(*expert_weights(s, dev))
@@ -204,11 +234,11 @@ def run_fp8(args, dev, flusher, rows: list) -> None:
             for cid in FP8_CONFIGS:
                 c = config_of(cid)
                 row = {"part": "fp8", "shape": name, "M": M, "beta": beta, "config": cid,
-                       **ab(lambda c=c: fused_moe(x, q13, q2, ids, tw, c, **kw), flusher, args.rounds, args.iters)}
-                _check(row, deterministic(c))
+                       **ab(lambda c=c: fused_moe(x, q13, q2, ids, tw, c, **kw), flusher, V, args.rounds,
+                            args.iters, deterministic(c))}
                 rows.append(row)
-                print(f"fp8 {name:17s} M={M:2d} b={beta:4.2f} {cid:34s} off {row['off_us']:6.1f} on "
-                      f"{row['on_us']:6.1f} us ({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
+                print(f"fp8 {name:17s} M={M:2d} b={beta:4.2f} {cid:34s} {line(row, V)} us {row['check']}",
+                      flush=True)
 
 
 def run_em(args, dev, flusher, rows: list) -> None:
@@ -225,11 +255,11 @@ def run_em(args, dev, flusher, rows: list) -> None:
                 counts = _counts(shape, T, zipf, seed=T).to(dev)
                 row = {"part": "em", "shape": name, "precision": precision, "load": label,
                        **ab(lambda: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None,
-                                                           **inp["kw"]), flusher, args.rounds, args.iters)}
-                _check(row, True)
+                                                           **inp["kw"]), flusher, args.variants, args.rounds,
+                            args.iters, True)}
                 rows.append(row)
-                print(f"em {name:17s} {precision} {label:13s} off {row['off_us']:6.1f} on {row['on_us']:6.1f} us "
-                      f"({row['on_us'] - row['off_us']:+.1f}) {row['check']}", flush=True)
+                print(f"em {name:17s} {precision} {label:13s} {line(row, args.variants)} us {row['check']}",
+                      flush=True)
 
 
 def main() -> None:
@@ -241,12 +271,16 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8",
                                                    "deepseek-v3-ep32", "mixtral-8x7b"])
     p.add_argument("--top", type=int, default=3)
+    p.add_argument("--configs", nargs="+", help="config ids to time at every bf16 point instead of the --top")
+    p.add_argument("--variants", nargs="+", default=["off", "on"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default="pdl-ab.json")
     args = p.parse_args()
+    for v in args.variants:
+        Pdl(v)  # unknown variants fail here, before any compile
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
     ceilings, flusher = ceilings_and_flusher(dev)

@@ -30,6 +30,17 @@ def test_off_on_cpu_in_the_interpreter_and_when_disabled(monkeypatch):
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
 
+def test_early_follows_the_table_and_is_off_without_pdl(monkeypatch):
+    for role in pdl.EARLY:
+        assert not pdl.early(role, False)
+        monkeypatch.setitem(pdl.EARLY, role, True)
+        assert pdl.early(role, True)
+        monkeypatch.setitem(pdl.EARLY, role, False)
+        assert not pdl.early(role, True)
+    with pytest.raises(KeyError):
+        pdl.early("no such kernel", True)
+
+
 @pytest.mark.parametrize("n", [1, 1000, 1024, 2500])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
 def test_fill_zero_kernel_writes_zeros_up_to_n_only(n, dtype):
@@ -39,8 +50,9 @@ def test_fill_zero_kernel_writes_zeros_up_to_n_only(n, dtype):
     buf = torch.randint(1, 1000, (n + 700,), generator=g).to(dtype).to(DEVICE)
     before = buf.clone()
     block = pdl._BLOCK
-    pdl._fill_zero_kernel[(-(-n // block),)](buf, n, BLOCK=block, PDL=pdl.pdl_on(DEVICE),
-                                              **pdl.launch_options(pdl.pdl_on(DEVICE)))
+    on = pdl.pdl_on(DEVICE)
+    pdl._fill_zero_kernel[(-(-n // block),)](buf, n, BLOCK=block, PDL=on, EARLY=pdl.early("zero", on),
+                                              **pdl.launch_options(on))
     assert torch.equal(buf[:n], torch.zeros(n, dtype=dtype, device=DEVICE))
     assert torch.equal(buf[n:], before[n:])
 

@@ -85,13 +85,13 @@ if HAVE_TRITON:
         xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
         EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T), over the units
         (live block, N tile) pid, pid + grid, ...; padding rows get zeros (their A rows are
-        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``). PDL: GEMM2
-        may launch at once (``pdl``)."""
-        pdl_prologue(PDL, True)
+        masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``). PDL, EARLY:
+        ``pdl`` (GEMM2 follows)."""
+        pdl_prologue(PDL, EARLY)
         rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
         num_n = tl.cdiv(N, BN)
         u = tl.program_id(0)
@@ -164,7 +164,7 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
 
     args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
              xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])
-    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting())
+    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting(), EARLY=pdl.early("em_gemm1", on))
     grid1 = _em_grid(_em_gemm1_kernel, args1, const1, max_blocks * triton.cdiv(N, c.bn))
     _em_gemm1_kernel[(grid1,)](*args1, **const1)
 

@@ -289,7 +289,7 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTERS: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """two_launch, step 1: inter[row] = SwiGLU(x[pair // A_DIV] @ w13[e].T) per padded row.
 
@@ -297,8 +297,8 @@ if HAVE_TRITON:
         arrival counts (``_gemm2_decode_kernel``, which runs after this kernel on the stream),
         which saves that call a memset launch.
         FP8: inter is e4m3 and is[row, N/128] its scales, one per row per 128 columns; SWAP_AB:
-        see ``_fp8_dot``. PDL: GEMM2 may launch at once (``pdl``)."""
-        pdl_prologue(PDL, True)
+        see ``_fp8_dot``. PDL, EARLY: ``pdl`` (GEMM2 follows)."""
+        pdl_prologue(PDL, EARLY)
         if COUNTERS > 0:
             if tl.program_id(0) == 0:
                 offs_c = tl.arange(0, COUNTERS)
@@ -393,13 +393,13 @@ if HAVE_TRITON:
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
         Grid axis 1 is the split-K index: CTA s reduces over the s-th contiguous share of N.
-        FP8: see ``_down_tile``; SWAP_AB: ``_fp8_dot``. PDL: the cast may launch at once."""
-        pdl_prologue(PDL, True)
+        FP8: see ``_down_tile``; SWAP_AB: ``_fp8_dot``. PDL, EARLY: ``pdl`` (the cast follows)."""
+        pdl_prologue(PDL, EARLY)
         num_n = tl.cdiv(H, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, rows, _, out_rows, row_ok, w = _block_rows(
@@ -727,15 +727,15 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
 
         FP8: BN == BK == 128, so the CTA's N-tile is N scale block pid_n and H chunk h0 is H
         scale block h0: one activation scale per row and one w2 scale per chunk. SWAP_AB: see
-        ``_fp8_dot``. PDL: the cast may launch at once (``pdl``)."""
-        pdl_prologue(PDL, True)
+        ``_fp8_dot``. PDL, EARLY: ``pdl`` (the cast follows)."""
+        pdl_prologue(PDL, EARLY)
         num_n = tl.cdiv(N, BN)
         pid_m, pid_n = _block_coords(tl.program_id(0), num_m, num_n, GROUP_M)
         live, expert, _, a_rows, out_rows, row_ok, w = _block_rows(
@@ -989,7 +989,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            SWAP_AB=c.swap_ab, **launch,
+            SWAP_AB=c.swap_ab, EARLY=pdl.early("fused", on), **launch,
         )
         return pdl.cast(out, out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
@@ -1014,7 +1014,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
         A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, COUNTERS=counters, GROUP_M=c.group_m,
-        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=c.swap_ab, **launch,
+        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm1", on), **launch,
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
@@ -1036,7 +1036,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
         BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
-        SWAP_AB=c.swap_ab, **launch,
+        SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm2", on), **launch,
     )
     return pdl.cast(out, out_dtype)
 

@@ -19,8 +19,9 @@ Two rules make any chain of these kernels correct, whatever runs before or after
   allocator reuses a block as soon as its last use is queued) -- so a kernel never exits before
   the one before it has completed, and completion stays transitive along the chain;
 * a kernel lets its dependents launch (:func:`gdc_launch_dependents`) at its start only where
-  what follows in the call is small (a zeroing before the experts, the experts before the cast):
-  its dependents then hold a few SM slots while it runs.
+  :data:`EARLY` says so for its role (an ``EARLY`` constexpr of the kernel, :func:`early`);
+  otherwise they launch as its CTAs exit, which still saves their launch but not the tail of
+  its last wave.
 
 A kernel launched without PDL (torch's, the user's) follows the whole previous kernel as usual,
 and a kernel that is not preceded by a PDL-aware one simply waits for nothing, so a chain can
@@ -43,6 +44,9 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 # The switch: False launches every kernel as before (kept to measure one against the other).
 ENABLED = True
+# Per kernel role, whether its dependents may launch at its start (the second rule): a table, not
+# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice.
+EARLY = {"zero": True, "quant": True, "gemm1": True, "gemm2": True, "fused": True, "em_gemm1": True}
 _BLOCK = 1024  # elements per program of the fill and cast kernels
 
 
@@ -53,6 +57,12 @@ def pdl_on(device: torch.device) -> bool:
 
     return (ENABLED and device.type == "cuda" and not interpreting()
             and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def early(role: str, pdl: bool) -> bool:
+    """The ``EARLY`` constexpr of a kernel of ``role`` (a key of :data:`EARLY`) launched with or
+    without PDL (False without: the trigger is then a no-op, so keep a single binary)."""
+    return pdl and EARLY[role]
 
 
 def launch_options(pdl: bool) -> dict:
@@ -84,9 +94,9 @@ if HAVE_TRITON:
         gdc_wait(PDL)
 
     @triton.jit
-    def _fill_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """ptr[:n] = 0; its dependents may launch at once (a zeroing precedes the experts)."""
-        pdl_prologue(PDL, True)
+    def _fill_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+        """ptr[:n] = 0 (a zeroing precedes the experts)."""
+        pdl_prologue(PDL, EARLY)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(ptr + offs, tl.zeros((BLOCK,), dtype=ptr.dtype.element_ty), mask=offs < n)
 
@@ -107,7 +117,7 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.numel():
         _fill_zero_kernel[(triton.cdiv(t.numel(), _BLOCK),)](t, t.numel(), BLOCK=_BLOCK, PDL=True,
-                                                             **launch_options(True))
+                                                             EARLY=early("zero", True), **launch_options(True))
     return t
 
 

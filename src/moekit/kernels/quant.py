@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from moekit.kernels.pdl import launch_options, pdl_on
+from moekit.kernels.pdl import early, launch_options, pdl_on
 
 try:  # Triton is optional: the package imports without it, the kernels need it.
     import triton
@@ -96,10 +96,10 @@ if HAVE_TRITON:
     @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
                                 BM: tl.constexpr, GROUP: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                                PDL: tl.constexpr):
-        """Program (i, g): rows [i*BM, (i+1)*BM), columns of group g. PDL: the experts' kernels
-        that follow may launch at once (``pdl``)."""
-        pdl_prologue(PDL, True)
+                                PDL: tl.constexpr, EARLY: tl.constexpr):
+        """Program (i, g): rows [i*BM, (i+1)*BM), columns of group g. PDL, EARLY: ``pdl`` (the
+        experts' kernels follow)."""
+        pdl_prologue(PDL, EARLY)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         g = tl.program_id(1)
         cols = g * GROUP + tl.arange(0, GROUP)
@@ -132,6 +132,7 @@ def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     grid = (triton.cdiv(M, bm), H // FP8_GROUP)
     on = pdl_on(x.device)
     _quantize_groups_kernel[grid](x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
-                                  BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on, num_warps=4,
+                                  BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on,
+                                  EARLY=early("quant", on), num_warps=4,
                                   **launch_options(on))
     return q, scales
