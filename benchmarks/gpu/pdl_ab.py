@@ -13,6 +13,8 @@ The first variant is the reference the others are compared and checked against.
   must move (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be
   read.
 * FP8 (``--fp8``): the decode points of fp8_decode_probe.py with its winning configs.
+* large M (``--large``): the token path at M = 256 and 2048 (uniform routing) with the config
+  ``fused_moe`` picks itself, bf16 and FP8: its kernel grids span several waves.
 * expert-major (``--em``): ``fused_moe_expert_major``'s default config at the loads of
   expert_major_probe.py (one rank of two), bf16 and FP8.
 
@@ -43,6 +45,8 @@ FP8_POINTS = ((1, 1.0), (16, 1.0), (16, 0.25))
 FP8_SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8", "olmoe-1b-7b", "deepseek-v3-ep32")
 FP8_CONFIGS = ("T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1-x",
                "T-bm16-bn128-bk128-w4-s4-g1-k1-x")
+LARGE_SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8")
+LARGE_M = (256, 2048)
 EM_SHAPES = ("qwen3-30b-a3b", "deepseek-v3")  # model shapes (moekit.shapes), one rank of two
 
 
@@ -241,6 +245,27 @@ def run_fp8(args, dev, flusher, rows: list) -> None:
                       flush=True)
 
 
+def run_large(args, dev, flusher, rows: list) -> None:
+    from moekit.bench.kernel import bench_shape, point_routing
+    from moekit.kernels import fused_moe
+
+    for name in LARGE_SHAPES:
+        s = bench_shape(name)
+        w13, w2 = expert_weights(s, dev)
+        q13, q2, kw = _fp8_weights(w13, w2)
+        for M in LARGE_M:
+            x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
+            r = point_routing(s, M, 1.0, M)
+            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            for precision, call in (("bf16", lambda: fused_moe(x, w13, w2, ids, tw)),
+                                    ("fp8", lambda: fused_moe(x, q13, q2, ids, tw, **kw))):
+                row = {"part": "large", "shape": name, "M": M, "precision": precision,
+                       **ab(call, flusher, args.variants, args.rounds, args.iters, False)}
+                rows.append(row)
+                print(f"large {name:17s} M={M:4d} {precision} {line(row, args.variants)} us {row['check']}",
+                      flush=True)
+
+
 def run_em(args, dev, flusher, rows: list) -> None:
     from expert_major_probe import LOADS, _counts, _inputs
 
@@ -266,6 +291,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--large", action="store_true")
     p.add_argument("--em", action="store_true")
     p.add_argument("--table", default=TABLE)
     p.add_argument("--shapes", nargs="+", default=["olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8",
@@ -290,6 +316,8 @@ def main() -> None:
             run_bf16(args, dev, ceilings, flusher, rows)
         if args.fp8:
             run_fp8(args, dev, flusher, rows)
+        if args.large:
+            run_large(args, dev, flusher, rows)
         if args.em:
             run_em(args, dev, flusher, rows)
     finally:

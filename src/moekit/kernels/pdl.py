@@ -45,8 +45,11 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 # The switch: False launches every kernel as before (kept to measure one against the other).
 ENABLED = True
 # Per kernel role, whether its dependents may launch at its start (the second rule): a table, not
-# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice.
-EARLY = {"zero": True, "quant": True, "gemm1": True, "gemm2": True, "fused": True, "em_gemm1": True}
+# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice. GEMM1 does
+# not: GEMM2 is no small kernel, and with an early launch the split-K token path of mixtral-8x7b
+# at M = 1 (bn 128, 1 CTA per SM, two waves) lost 5-10 µs where the others gained 1-2 (H200,
+# benchmarks/results/h200-pdl).
+EARLY = {"zero": True, "quant": True, "gemm1": False, "gemm2": True, "fused": True, "em_gemm1": True}
 _BLOCK = 1024  # elements per program of the fill and cast kernels
 
 
