@@ -9,6 +9,8 @@ chains of the fused MoE kernels with PDL on and off are compared on the GPU
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -30,15 +32,22 @@ def test_off_on_cpu_in_the_interpreter_and_when_disabled(monkeypatch):
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
 
-def test_early_follows_the_table_and_is_off_without_pdl(monkeypatch):
+def test_early_needs_pdl_its_role_and_one_program_per_sm(monkeypatch):
+    """A kernel lets its dependents launch at its start only under PDL, where pdl.EARLY allows
+    its role, and over at most one program per SM."""
     for role in pdl.EARLY:
-        assert not pdl.early(role, False)
-        monkeypatch.setitem(pdl.EARLY, role, True)
-        assert pdl.early(role, True)
-        monkeypatch.setitem(pdl.EARLY, role, False)
-        assert not pdl.early(role, True)
+        assert not pdl.early(role, False, 1, DEVICE)
     with pytest.raises(KeyError):
-        pdl.early("no such kernel", True)
+        pdl.early("no such kernel", True, 1, DEVICE)
+    if DEVICE.type != "cuda":  # the SM count of an H200, for the rule's arithmetic
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    monkeypatch.setitem(pdl.EARLY, "zero", True)
+    assert pdl.early("zero", True, 1, DEVICE) and pdl.early("zero", True, sms, DEVICE)
+    assert not pdl.early("zero", True, sms + 1, DEVICE)
+    monkeypatch.setitem(pdl.EARLY, "zero", False)
+    assert not pdl.early("zero", True, 1, DEVICE)
+    assert not pdl.EARLY["gemm1"]  # GEMM2 follows GEMM1: no short kernel
 
 
 @pytest.mark.parametrize("n", [1, 1000, 1024, 2500])
@@ -51,7 +60,8 @@ def test_fill_zero_kernel_writes_zeros_up_to_n_only(n, dtype):
     before = buf.clone()
     block = pdl._BLOCK
     on = pdl.pdl_on(DEVICE)
-    pdl._fill_zero_kernel[(-(-n // block),)](buf, n, BLOCK=block, PDL=on, EARLY=pdl.early("zero", on),
+    grid = -(-n // block)
+    pdl._fill_zero_kernel[(grid,)](buf, n, BLOCK=block, PDL=on, EARLY=pdl.early("zero", on, grid, DEVICE),
                                               **pdl.launch_options(on))
     assert torch.equal(buf[:n], torch.zeros(n, dtype=dtype, device=DEVICE))
     assert torch.equal(buf[n:], before[n:])

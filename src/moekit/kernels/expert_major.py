@@ -90,7 +90,7 @@ if HAVE_TRITON:
         """inter[b * BM + i] = SwiGLU(x[row i of live block b] @ w13[e].T), over the units
         (live block, N tile) pid, pid + grid, ...; padding rows get zeros (their A rows are
         masked to 0). FP8: inter is e4m3 with [rows, N/128] scales (``_store_act``). PDL, EARLY:
-        ``pdl`` (GEMM2 follows)."""
+        ``pdl``."""
         pdl_prologue(PDL, EARLY)
         rows, ends, num_m = _em_blocks(counts_ptr, num_experts, capacity, BM, EP)
         num_n = tl.cdiv(N, BN)
@@ -164,7 +164,8 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
 
     args1 = (a, w13, inter, counts, E, capacity, H, N, a.stride(0), *w13.stride(), inter.stride(0),
              xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1])
-    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting(), EARLY=pdl.early("em_gemm1", on))
+    # GEMM2 never launches at GEMM1's start: that cost deepseek-v3 16-126 µs (moekit.kernels.pdl).
+    const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and _interpreting(), EARLY=False)
     grid1 = _em_grid(_em_gemm1_kernel, args1, const1, max_blocks * triton.cdiv(N, c.bn))
     _em_gemm1_kernel[(grid1,)](*args1, **const1)
 

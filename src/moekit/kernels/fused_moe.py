@@ -989,7 +989,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            SWAP_AB=c.swap_ab, EARLY=pdl.early("fused", on), **launch,
+            SWAP_AB=c.swap_ab, EARLY=pdl.early("fused", on, grid[0], device), **launch,
         )
         return pdl.cast(out, out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
@@ -1014,7 +1014,8 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
         A_DIV=a_div, **addr_const, BM=c.bm, BN=c.bn, BK=c.bk, COUNTERS=counters, GROUP_M=c.group_m,
-        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm1", on), **launch,
+        PRECISION=prec, FP8=fp8, SOFT_ROUND=soft, SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm1", on, grid1[0], device),
+        **launch,
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
@@ -1036,7 +1037,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
         BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
-        SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm2", on), **launch,
+        SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm2", on, grid2[0] * grid2[1], device), **launch,
     )
     return pdl.cast(out, out_dtype)
 

@@ -19,9 +19,15 @@ Two rules make any chain of these kernels correct, whatever runs before or after
   allocator reuses a block as soon as its last use is queued) -- so a kernel never exits before
   the one before it has completed, and completion stays transitive along the chain;
 * a kernel lets its dependents launch (:func:`gdc_launch_dependents`) at its start only where
-  :data:`EARLY` says so for its role (an ``EARLY`` constexpr of the kernel, :func:`early`);
-  otherwise they launch as its CTAs exit, which still saves their launch but not the tail of
-  its last wave.
+  :func:`early` says so: its role allows it (:data:`EARLY`) and its grid has no more programs
+  than the GPU has SMs (a short kernel of a decode call). Otherwise the dependents launch as its
+  programs exit, which still saves their launch.
+
+Measured on an H200 (benchmarks/results/h200-pdl): PDL took 0.3-2.5 µs off a decode call, and
+the early launches about 0.3-0.5 µs of that; but an early launch before a long kernel made the
+call slower: GEMM1 before GEMM2 cost mixtral-8x7b 5-10 µs at M = 1 (split-K, bn 128, 1 CTA per
+SM), the expert-major GEMM1 cost deepseek-v3 16-126 µs, and the zeroing of a 58 MB output at
+M = 2048 a few µs, where the dependents' programs sat resident on the SMs, waiting.
 
 A kernel launched without PDL (torch's, the user's) follows the whole previous kernel as usual,
 and a kernel that is not preceded by a PDL-aware one simply waits for nothing, so a chain can
@@ -45,11 +51,9 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 # The switch: False launches every kernel as before (kept to measure one against the other).
 ENABLED = True
 # Per kernel role, whether its dependents may launch at its start (the second rule): a table, not
-# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice. GEMM1 does
-# not: GEMM2 is no small kernel, and with an early launch the split-K token path of mixtral-8x7b
-# at M = 1 (bn 128, 1 CTA per SM, two waves) lost 5-10 µs where the others gained 1-2 (H200,
-# benchmarks/results/h200-pdl).
-EARLY = {"zero": True, "quant": True, "gemm1": False, "gemm2": True, "fused": True, "em_gemm1": True}
+# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice. The GEMM1s
+# never do: a GEMM2 follows them, no short kernel (the measurements above).
+EARLY = {"zero": True, "quant": True, "gemm1": False, "gemm2": True, "fused": True}
 _BLOCK = 1024  # elements per program of the fill and cast kernels
 
 
@@ -62,10 +66,13 @@ def pdl_on(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def early(role: str, pdl: bool) -> bool:
+def early(role: str, pdl: bool, grid: int, device: torch.device) -> bool:
     """The ``EARLY`` constexpr of a kernel of ``role`` (a key of :data:`EARLY`) launched with or
-    without PDL (False without: the trigger is then a no-op, so keep a single binary)."""
-    return pdl and EARLY[role]
+    without PDL over ``grid`` programs: its role allows it and the grid is at most one program
+    per SM. False without PDL (the trigger is then a no-op: keep a single binary)."""
+    if not (pdl and EARLY[role]):
+        return False
+    return grid <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_options(pdl: bool) -> dict:
@@ -119,8 +126,9 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.numel():
-        _fill_zero_kernel[(triton.cdiv(t.numel(), _BLOCK),)](t, t.numel(), BLOCK=_BLOCK, PDL=True,
-                                                             EARLY=early("zero", True), **launch_options(True))
+        grid = triton.cdiv(t.numel(), _BLOCK)
+        _fill_zero_kernel[(grid,)](t, t.numel(), BLOCK=_BLOCK, PDL=True, EARLY=early("zero", True, grid, device),
+                                   **launch_options(True))
     return t
 
 

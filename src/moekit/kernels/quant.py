@@ -133,6 +133,6 @@ def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     on = pdl_on(x.device)
     _quantize_groups_kernel[grid](x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
                                   BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on,
-                                  EARLY=early("quant", on), num_warps=4,
+                                  EARLY=early("quant", on, grid[0] * grid[1], x.device), num_warps=4,
                                   **launch_options(on))
     return q, scales
