@@ -9,14 +9,13 @@ chains of the fused MoE kernels with PDL on and off are compared on the GPU
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from moekit.kernels import pdl  # noqa: E402
+from moekit.kernels.occupancy import sm_count  # noqa: E402
 from moekit.kernels.quant import interpreting  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -39,9 +38,7 @@ def test_early_needs_pdl_its_role_and_one_program_per_sm(monkeypatch):
         assert not pdl.early(role, False, 1, DEVICE)
     with pytest.raises(KeyError):
         pdl.early("no such kernel", True, 1, DEVICE)
-    if DEVICE.type != "cuda":  # the SM count of an H200, for the rule's arithmetic
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    sms = sm_count(DEVICE)
     monkeypatch.setitem(pdl.EARLY, "zero", True)
     assert pdl.early("zero", True, 1, DEVICE) and pdl.early("zero", True, sms, DEVICE)
     assert not pdl.early("zero", True, sms + 1, DEVICE)

@@ -65,14 +65,12 @@ is DeepSeek-V3's "promote every 128" scheme. The constraints on configurations a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
 from moekit.kernels import pdl
-from moekit.kernels.occupancy import resident_ctas_per_sm
+from moekit.kernels.occupancy import resident_ctas_per_sm, sm_count
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
 try:  # Triton is optional: the package imports without it, the kernels need it.
@@ -860,13 +858,6 @@ def _decode_schedule(config: KernelConfig, al: Alignment | DirectBlocks) -> bool
     return config.form == "two_launch" and config.split_k == 1 and isinstance(al, DirectBlocks)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: as an H100/H200
-
-
 def _decode_column_tile(H: int, device: torch.device) -> int:
     """The decode schedule's GEMM2 column tile (not the config's bn, which tiles GEMM1 there).
 
@@ -877,7 +868,7 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
     tile; 64 columns only where 32 would give more than DECODE_CTAS_PER_SM CTAs per SM on its
     own (H > 8448 on 132 SMs).
     """
-    return 64 if -(-H // 32) > DECODE_CTAS_PER_SM * _sm_count(device) else 32
+    return 64 if -(-H // 32) > DECODE_CTAS_PER_SM * sm_count(device) else 32
 
 
 # The decode GEMM2 streams w2 with one or two CTAs per SM, so each CTA must keep many bytes in
@@ -918,7 +909,7 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     """
     bn = _decode_column_tile(H, device)
     tiles = -(-H // bn)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
     budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
     target = min(max(bk, DECODE_W2_CHUNK_BYTES // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
@@ -1069,7 +1060,7 @@ def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
     grid = _RESIDENT_GRIDS.get(key)
     if grid is None:
         compiled = kernel.warmup(*args, grid=(1,), **const)
-        grid = _RESIDENT_GRIDS[key] = _sm_count(device) * resident_ctas_per_sm(compiled, device, cap)
+        grid = _RESIDENT_GRIDS[key] = sm_count(device) * resident_ctas_per_sm(compiled, device, cap)
     return grid
 
 

@@ -1,4 +1,4 @@
-"""How many CTAs of a compiled Triton kernel one SM holds at once.
+"""How many SMs a device has, and how many CTAs of a compiled Triton kernel one SM holds at once.
 
 Cooperative (persistent) kernels size their grid with it: every program must be resident at
 the same time, or a program spinning on a barrier or a signal could keep one that must arrive
@@ -7,7 +7,17 @@ from ever running.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device``; 132 (an H100 / H200) off the GPU, where Triton's interpreter runs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def resident_ctas_per_sm(compiled, device: torch.device, cap: int) -> int:

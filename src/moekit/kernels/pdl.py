@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit.kernels.occupancy import sm_count
+
 try:  # Triton is optional: the package imports without it, the kernels need it.
     import triton
     import triton.language as tl
@@ -70,9 +72,7 @@ def early(role: str, pdl: bool, grid: int, device: torch.device) -> bool:
     """The ``EARLY`` constexpr of a kernel of ``role`` (a key of :data:`EARLY`) launched with or
     without PDL over ``grid`` programs: its role allows it and the grid is at most one program
     per SM. False without PDL (the trigger is then a no-op: keep a single binary)."""
-    if not (pdl and EARLY[role]):
-        return False
-    return grid <= torch.cuda.get_device_properties(device).multi_processor_count
+    return pdl and EARLY[role] and grid <= sm_count(device)
 
 
 def launch_options(pdl: bool) -> dict:
