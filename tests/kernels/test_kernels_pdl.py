@@ -31,6 +31,16 @@ def test_off_on_cpu_in_the_interpreter_and_when_disabled(monkeypatch):
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
 
+def test_moekit_pdl_environment_variable():
+    assert pdl.enabled_by({})
+    for value in ("1", "on", "TRUE", " yes "):
+        assert pdl.enabled_by({"MOEKIT_PDL": value})
+    for value in ("0", "off", "False", "no"):
+        assert not pdl.enabled_by({"MOEKIT_PDL": value})
+    with pytest.raises(ValueError, match="MOEKIT_PDL"):
+        pdl.enabled_by({"MOEKIT_PDL": "sometimes"})
+
+
 def test_early_needs_pdl_its_role_and_one_program_per_sm(monkeypatch):
     """A kernel lets its dependents launch at its start only under PDL, where pdl.EARLY allows
     its role, and over at most one program per SM."""

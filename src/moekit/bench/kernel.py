@@ -612,8 +612,10 @@ class KernelBench:
                 "default": {str(M): index[config_id(d)] for M, d in defaults.items()},
             }
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.cfg).items()}
+        from moekit.kernels.pdl import pdl_on
+
         params |= {"dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
-                   "baseline_impl": self.baseline_impl,
+                   "baseline_impl": self.baseline_impl, "pdl": pdl_on(self.device),
                    "routing": "synthetic_routing(M, routed_experts, K, beta=beta, seed=seed + M)"}
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "environment": environment(), "params": params,
                 "ceilings": ceilings, "configs": configs, "shapes": shapes, "points": [], "incomplete": []}

@@ -37,6 +37,8 @@ when launched without it; the Triton interpreter and GPUs before sm_90 never use
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moekit.kernels.occupancy import sm_count
@@ -50,8 +52,20 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = tl = None
     HAVE_TRITON = False
 
-# The switch: False launches every kernel as before (kept to measure one against the other).
-ENABLED = True
+def enabled_by(environ) -> bool:
+    """Whether ``environ``'s ``MOEKIT_PDL`` leaves PDL on: unset, ``1``/``on``/``true``/``yes``
+    on; ``0``/``off``/``false``/``no`` off (case-insensitive); anything else is an error."""
+    value = environ.get("MOEKIT_PDL", "1").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"MOEKIT_PDL must be 1/on/true/yes or 0/off/false/no, got {environ['MOEKIT_PDL']!r}")
+
+
+# The switch: False launches every kernel as before (to measure one against the other, or to run
+# under a tool that does not follow PDL): MOEKIT_PDL=0 in the environment, or set it at run time.
+ENABLED = enabled_by(os.environ)
 # Per kernel role, whether its dependents may launch at its start (the second rule): a table, not
 # constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice. The GEMM1s
 # never do: a GEMM2 follows them, no short kernel (the measurements above).
