@@ -10,6 +10,7 @@ with float32 atomics (the fused form, sorted two_launch) are compared with the f
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -33,6 +34,21 @@ HOPPER = torch.cuda.get_device_capability() >= (9, 0)
 SHAPE = MoEShape("gpu-pdl", num_experts=32, top_k=4, hidden=1024, intermediate=384)
 DECODE = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_launch")
 FP8_DECODE = KernelConfig(bm=16, bn=128, bk=128, num_stages=3, split_k=1, form="two_launch", swap_ab=True)
+
+
+@pytest.fixture(autouse=True)
+def _pdl_on(monkeypatch):
+    """Every test starts with PDL on, whatever MOEKIT_PDL says, and leaves the switch as it was."""
+    monkeypatch.setattr(pdl, "ENABLED", True)
+
+
+@contextlib.contextmanager
+def _pdl(on: bool):
+    saved, pdl.ENABLED = pdl.ENABLED, on
+    try:
+        yield
+    finally:
+        pdl.ENABLED = saved
 
 
 def test_pdl_is_on_where_the_gpu_has_it():
@@ -68,11 +84,8 @@ def _routing(tokens: int, step: int):
 def _both_ways(call):
     out = {}
     for on in (False, True):
-        pdl.ENABLED = on
-        try:
+        with _pdl(on):
             out[on] = call()
-        finally:
-            pdl.ENABLED = True
     return out[False], out[True]
 
 
@@ -121,11 +134,8 @@ def test_decode_schedule_bitwise_with_and_without_pdl(monkeypatch, precision, pe
         ids_buf.copy_(ids)
         tw_buf.copy_(tw)
         graph.replay()
-        pdl.ENABLED = False
-        try:
+        with _pdl(False):
             eager_off = call()
-        finally:
-            pdl.ENABLED = True
         torch.cuda.synchronize()
         assert torch.equal(y, eager_off), step
 
@@ -177,10 +187,7 @@ def test_expert_major_bitwise_with_and_without_pdl():
     for step in range(20):
         counts.copy_(torch.randint(0, cap + 1, (E,), generator=g))
         graph.replay()
-        pdl.ENABLED = False
-        try:
+        with _pdl(False):
             eager_off = call()
-        finally:
-            pdl.ENABLED = True
         torch.cuda.synchronize()
         assert torch.equal(valid(y), valid(eager_off)), step
