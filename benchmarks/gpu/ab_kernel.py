@@ -9,6 +9,9 @@ be a version whose helpers those still provide.
 
 Usage (device machine, repo root):
     PYTHONPATH=src python3 benchmarks/gpu/ab_kernel.py --baseline-file old.py --out $OUT/ab.json
+    # or against this version with a switch off:
+    PYTHONPATH=src python3 benchmarks/gpu/ab_kernel.py --baseline-off moekit.kernels.atomics.ENABLED \
+        --points atomics --out $OUT/ab-atomics.json
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from dataclasses import replace
 
 import torch
-from probe_common import expert_weights, median_us, write_result
+from probe_common import config_of, expert_weights, median_us, write_result
 
 from moekit.bench.kernel import bench_shape, config_id, point_routing, point_work
 from moekit.bench.timing import L2Flusher
@@ -52,7 +55,30 @@ FUSED_POINTS = (
     ("deepseek-v3-tp8", 16, 1.0, replace(FUSED, num_stages=3)),
     ("deepseek-v3-ep32", 16, 1.0, FUSED),
 )
-POINT_SETS = {"decode": POINTS, "fused": FUSED_POINTS}
+
+# The kernels that add with float32 atomics (moekit.kernels.atomics): the fused form at the
+# decode points (its best configs in the dataset), then the token path's GEMM2 at larger M.
+ATOMIC_POINTS = tuple((shape, M, beta, config_of(cid)) for shape, M, beta, cid in (
+    ("olmoe-1b-7b", 1, 1.0, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
+    ("olmoe-1b-7b", 4, 0.25, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
+    ("olmoe-1b-7b", 4, 0.25, "F-bm32-bn64-bk128-w4-s4-g1-k1"),
+    ("olmoe-1b-7b", 16, 0.25, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
+    ("olmoe-1b-7b", 16, 0.25, "F-bm32-bn64-bk128-w4-s4-g1-k1"),
+    ("olmoe-1b-7b", 16, 1.0, "F-bm16-bn128-bk64-w4-s4-g8-k1"),
+    ("qwen3-30b-a3b", 1, 0.25, "F-bm16-bn64-bk128-w4-s4-g8-k1"),
+    ("qwen3-30b-a3b", 4, 0.25, "F-bm32-bn64-bk128-w4-s4-g8-k1"),
+    ("qwen3-30b-a3b", 16, 0.25, "F-bm32-bn64-bk128-w4-s4-g1-k1"),
+    ("qwen3-30b-a3b", 16, 1.0, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
+    ("deepseek-v3-tp8", 1, 1.0, "F-bm16-bn32-bk256-w4-s4-g1-k1"),
+    ("deepseek-v3-tp8", 16, 1.0, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
+    ("deepseek-v3-ep32", 16, 1.0, "F-bm16-bn64-bk128-w4-s3-g8-k1"),
+    ("olmoe-1b-7b", 64, 1.0, "T-bm16-bn64-bk128-w4-s3-g8-k1"),
+    ("olmoe-1b-7b", 256, 1.0, "T-bm64-bn128-bk64-w4-s3-g8-k1"),
+    ("qwen3-30b-a3b", 256, 1.0, "T-bm64-bn128-bk64-w4-s3-g8-k1"),
+    ("qwen3-30b-a3b", 1024, 1.0, "T-bm64-bn128-bk64-w4-s3-g8-k1"),
+    ("mixtral-8x7b", 4096, 1.0, "T-bm128-bn128-bk64-w8-s4-g8-k1"),
+))
+POINT_SETS = {"decode": POINTS, "fused": FUSED_POINTS, "atomics": ATOMIC_POINTS}
 
 
 def load_baseline(path: str):
@@ -63,9 +89,28 @@ def load_baseline(path: str):
     return module.fused_moe
 
 
+def switched_off(module_name: str, attr: str):
+    """fused_moe with ``module_name.attr`` set to False for the call (and its graph capture):
+    the baseline when two versions differ by a switch rather than by a file."""
+    module = importlib.import_module(module_name)
+
+    def call(*args, **kwargs):
+        saved = getattr(module, attr)
+        setattr(module, attr, False)
+        try:
+            return fused_moe(*args, **kwargs)
+        finally:
+            setattr(module, attr, saved)
+    return call
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--baseline-file", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--baseline-file")
+    src.add_argument("--baseline-off", metavar="MODULE.ATTR",
+                     help="the baseline is this version with a module's switch off, "
+                          "e.g. moekit.kernels.atomics.ENABLED")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="ab.json")
@@ -73,7 +118,9 @@ def main() -> int:
     args = p.parse_args()
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
-    versions = {"baseline": load_baseline(args.baseline_file), "current": fused_moe}
+    baseline = (load_baseline(args.baseline_file) if args.baseline_file
+                else switched_off(*args.baseline_off.rsplit(".", 1)))
+    versions = {"baseline": baseline, "current": fused_moe}
     flusher = L2Flusher(256 << 20, dev)
     rows, last = [], None
     for name, M, beta, cfg in POINT_SETS[args.points]:

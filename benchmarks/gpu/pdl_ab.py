@@ -33,11 +33,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import fields
 
 import torch
-from probe_common import (ceilings_and_flusher, compile_in_pool, expert_weights, kernel_breakdown, median_us,
-                          warm_error, warm_routing, write_result)
+from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, kernel_breakdown,
+                          median_us, warm_error, warm_routing, write_result)
 
 TABLE = "benchmarks/results/h200-kernel-51b074d/kernel-cpu-0x-20261123T053014Z-table.json.gz"
 FP8 = torch.float8_e4m3fn
@@ -48,25 +47,6 @@ FP8_CONFIGS = ("T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1
 LARGE_SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8")
 LARGE_M = (256, 2048)
 EM_SHAPES = ("qwen3-30b-a3b", "deepseek-v3")  # model shapes (moekit.shapes), one rank of two
-
-
-def config_of(record_or_id):
-    """KernelConfig from a dataset config record, or from a ``config_id`` string."""
-    from moekit.kernels import KernelConfig
-
-    if isinstance(record_or_id, dict):
-        return KernelConfig(**{f.name: record_or_id[f.name] for f in fields(KernelConfig)})
-    form, *parts = record_or_id.split("-")
-    v = {"bn2": 0, "swap_ab": False}
-    keys = {"bm": "bm", "bn": "bn", "bk": "bk", "w": "num_warps", "s": "num_stages", "g": "group_m", "k": "split_k",
-            "n": "bn2"}
-    for p in parts:
-        if p == "x":
-            v["swap_ab"] = True
-            continue
-        key = next(k for k in sorted(keys, key=len, reverse=True) if p.startswith(k) and p[len(k):].isdigit())
-        v[keys[key]] = int(p[len(key):])
-    return KernelConfig(form="fused" if form == "F" else "two_launch", **v)
 
 
 def deterministic(c) -> bool:

@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import time
 from collections import defaultdict
+from dataclasses import fields
 
 import torch
 
@@ -26,6 +27,25 @@ def probe_parser(doc: str, shapes, out: str) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default=out)
     return parser
+
+
+def config_of(record_or_id):
+    """KernelConfig from a dataset config record, or from a ``config_id`` string."""
+    from moekit.kernels import KernelConfig
+
+    if isinstance(record_or_id, dict):
+        return KernelConfig(**{f.name: record_or_id[f.name] for f in fields(KernelConfig)})
+    form, *parts = record_or_id.split("-")
+    v = {"bn2": 0, "swap_ab": False}
+    keys = {"bm": "bm", "bn": "bn", "bk": "bk", "w": "num_warps", "s": "num_stages", "g": "group_m", "k": "split_k",
+            "n": "bn2"}
+    for p in parts:
+        if p == "x":
+            v["swap_ab"] = True
+            continue
+        key = next(k for k in sorted(keys, key=len, reverse=True) if p.startswith(k) and p[len(k):].isdigit())
+        v[keys[key]] = int(p[len(key):])
+    return KernelConfig(form="fused" if form == "F" else "two_launch", **v)
 
 
 def warm_routing(top_k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
