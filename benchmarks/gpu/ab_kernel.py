@@ -9,9 +9,9 @@ be a version whose helpers those still provide.
 
 Usage (device machine, repo root):
     PYTHONPATH=src python3 benchmarks/gpu/ab_kernel.py --baseline-file old.py --out $OUT/ab.json
-    # or against this version with a switch off:
-    PYTHONPATH=src python3 benchmarks/gpu/ab_kernel.py --baseline-off moekit.kernels.atomics.ENABLED \
-        --points atomics --out $OUT/ab-atomics.json
+    # or against this version with a module's switch off:
+    PYTHONPATH=src python3 benchmarks/gpu/ab_kernel.py --baseline-off moekit.kernels.pdl.ENABLED \
+        --points atomics --out $OUT/ab-pdl.json
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ FUSED_POINTS = (
     ("deepseek-v3-ep32", 16, 1.0, FUSED),
 )
 
-# The kernels that add with float32 atomics (moekit.kernels.atomics): the fused form at the
-# decode points (its best configs in the dataset), then the token path's GEMM2 at larger M.
+# The kernels that add into the output with float32 atomics: the fused form at decode points
+# (its best configs in the dataset), then the token path's GEMM2 at larger M.
 ATOMIC_POINTS = tuple((shape, M, beta, config_of(cid)) for shape, M, beta, cid in (
     ("olmoe-1b-7b", 1, 1.0, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
     ("olmoe-1b-7b", 4, 0.25, "F-bm16-bn64-bk128-w4-s4-g1-k1"),
@@ -110,7 +110,7 @@ def main() -> int:
     src.add_argument("--baseline-file")
     src.add_argument("--baseline-off", metavar="MODULE.ATTR",
                      help="the baseline is this version with a module's switch off, "
-                          "e.g. moekit.kernels.atomics.ENABLED")
+                          "e.g. moekit.kernels.pdl.ENABLED")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="ab.json")

@@ -69,7 +69,7 @@ import torch
 
 from moekit.kernels.align import Alignment, DirectBlocks, align_tokens, direct_blocks
 from moekit.kernels.configs import KernelConfig, fp8_config_error
-from moekit.kernels import atomics, pdl
+from moekit.kernels import pdl
 from moekit.kernels.occupancy import resident_ctas_per_sm, sm_count
 from moekit.kernels.quant import FP8_GROUP, interpreting, quantize_groups_triton
 
@@ -92,7 +92,6 @@ def _interpreting() -> bool:
 
 
 if HAVE_TRITON:
-    from moekit.kernels.atomics import add_tile
     from moekit.kernels.pdl import pdl_prologue
     from moekit.kernels.quant import _quantize_tile
 
@@ -392,7 +391,7 @@ if HAVE_TRITON:
         MUL_WEIGHT: tl.constexpr, PER_SPLIT: tl.constexpr, WHOLE_CHUNKS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
-        PDL: tl.constexpr, EARLY: tl.constexpr, VECTOR: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """two_launch, step 2: out[pair // OUT_DIV] += w[pair] * inter[row] @ w2[e].T.
 
@@ -413,9 +412,11 @@ if HAVE_TRITON:
                          tl.program_id(1) * PER_SPLIT, H, N, stride_im, stride_we, stride_wh, stride_wk,
                          stride_ism, stride_wse, stride_wsh, stride_wsk, PER_SPLIT, BM, BN, BK, PRECISION, FP8,
                          WHOLE_CHUNKS, SWAP_AB)
+        h_ok = offs_h < H
         if MUL_WEIGHT:
             acc = acc * w[:, None]
-        add_tile(out_ptr, out_rows, stride_om, pid_n * BN, acc, row_ok, H - pid_n * BN, BM, BN, VECTOR)
+        o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
+        tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
 
     @triton.jit
     def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
@@ -724,7 +725,7 @@ if HAVE_TRITON:
         A_DIV: tl.constexpr, OUT_DIV: tl.constexpr, DIRECT: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, MUL_WEIGHT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, VECTOR: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         """fused: one CTA = one token block x one N-tile; SwiGLU in registers, then its share of
         the down-projection, added into out over all H in BK-wide chunks.
@@ -757,6 +758,7 @@ if HAVE_TRITON:
         # w2[e, h, n] read as a [BN, BK] tile (n down, h across) = (w2[e][h-chunk, n-tile]).T
         b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_w2e + offs_n[:, None] * stride_w2k
                   + offs_h[None, :] * stride_w2h)
+        o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_h[None, :]
         for h0 in range(0, tl.cdiv(H, BK)):
             h_ok = offs_h < H - h0 * BK
             b = tl.load(b_ptrs, mask=n_ok[:, None] & h_ok[None, :], other=0.0)
@@ -766,8 +768,9 @@ if HAVE_TRITON:
                 part = tl.dot(act, b, input_precision=PRECISION)  # [BM, BK] fp32
             if MUL_WEIGHT:
                 part = part * w[:, None]
-            add_tile(out_ptr, out_rows, stride_om, h0 * BK, part, row_ok, H - h0 * BK, BM, BK, VECTOR)
+            tl.atomic_add(o_ptrs, part, mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
             b_ptrs += BK * stride_w2h
+            o_ptrs += BK
 
 
 def _require_triton() -> None:
@@ -968,7 +971,6 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     launch = dict(num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, **pdl.launch_options(on))
     xs_args, w13s_args, w2s_args = _scale_args(scales, out)
     soft = fp8 and _interpreting()
-    vector = not decode and atomics.vector_on(out, device)
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
         _fused_kernel[grid](
@@ -978,7 +980,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             xs_args[0], w13s_args[0], w2s_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
             A_DIV=a_div, OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-            SWAP_AB=c.swap_ab, EARLY=pdl.early("fused", on, grid[0], device), VECTOR=vector, **launch,
+            SWAP_AB=c.swap_ab, EARLY=pdl.early("fused", on, grid[0], device), **launch,
         )
         return pdl.cast(out, out_dtype)
     # Padding rows of blocks past the real end are never written nor read; rows inside real
@@ -1026,7 +1028,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         OUT_DIV=out_div, **addr_const, MUL_WEIGHT=mul_weight,
         PER_SPLIT=per_split, WHOLE_CHUNKS=N % c.bk == 0 and per_split * c.split_k == N // c.bk,
         BM=c.bm, BN=c.gemm2_bn, BK=c.bk, GROUP_M=c.group_m, PRECISION=prec, FP8=fp8,
-        SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm2", on, grid2[0] * grid2[1], device), VECTOR=vector, **launch,
+        SWAP_AB=c.swap_ab, EARLY=pdl.early("gemm2", on, grid2[0] * grid2[1], device), **launch,
     )
     return pdl.cast(out, out_dtype)
 
