@@ -94,7 +94,7 @@ def _fp8_weights(w13, w2):
     return q13, q2, dict(w13_scale=s13, w2_scale=s2)
 
 
-def _warm(task) -> str | None:
+def warm_config(task) -> str | None:
     """Compile one token-path config in every variant (a pool worker), at a small expert count."""
     shape_name, cid, fp8, variants = task
 
@@ -162,7 +162,7 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
         top = sorted(timed, key=timed.get)[:args.top]
         plan[id(p)] = [(cid, timed.get(cid)) for cid in (args.configs or top)]
     V = args.variants
-    compile_in_pool(_warm, sorted({(p["shape"], c, False, tuple(V)) for p in points for c, _ in plan[id(p)]}),
+    compile_in_pool(warm_config, sorted({(p["shape"], c, False, tuple(V)) for p in points for c, _ in plan[id(p)]}),
                     args.workers)
     hbm = ceilings["hbm_gbps"]
     for name in args.shapes:
@@ -209,7 +209,7 @@ def run_fp8(args, dev, flusher, rows: list) -> None:
 
     shapes = [n for n in FP8_SHAPES if n in args.shapes]
     V = args.variants
-    compile_in_pool(_warm, [(n, c, True, tuple(V)) for n in shapes for c in FP8_CONFIGS], args.workers)
+    compile_in_pool(warm_config, [(n, c, True, tuple(V)) for n in shapes for c in FP8_CONFIGS], args.workers)
     for name in shapes:
         s = bench_shape(name)
         q13, q2, kw = _fp8_weights(*expert_weights(s, dev))

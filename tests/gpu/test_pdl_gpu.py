@@ -53,6 +53,7 @@ def _pdl(on: bool):
 
 def test_pdl_is_on_where_the_gpu_has_it():
     assert pdl.pdl_on(torch.device("cuda")) == HOPPER
+    assert pdl.pdl_on(torch.device("cuda", torch.cuda.current_device())) == HOPPER
 
 
 def test_zeros_and_cast_bitwise_torch():

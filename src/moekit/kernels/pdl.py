@@ -37,6 +37,7 @@ when launched without it; the Triton interpreter and GPUs before sm_90 never use
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -79,7 +80,13 @@ def pdl_on(device: torch.device) -> bool:
     from moekit.kernels.quant import interpreting  # (quant imports this module)
 
     return (ENABLED and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+            and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (asked once: every kernel launch asks)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def early(role: str, pdl: bool, grid: int, device: torch.device) -> bool:
