@@ -35,8 +35,8 @@ import statistics
 import time
 
 import torch
-from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, kernel_breakdown,
-                          median_us, warm_error, warm_routing, write_result)
+from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, decode_plan, expert_weights,
+                          kernel_breakdown, median_us, point_inputs, warm_error, warm_routing, write_result)
 
 TABLE = "benchmarks/results/h200-kernel-51b074d/kernel-cpu-0x-20261123T053014Z-table.json.gz"
 FP8 = torch.float8_e4m3fn
@@ -148,19 +148,10 @@ def line(row: dict, variants: list[str]) -> str:
 
 
 def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
-    from moekit.bench.kernel import bench_shape, point_routing
-    from moekit.bench.kernel_report import load_table
+    from moekit.bench.kernel import bench_shape
     from moekit.kernels import fused_moe
 
-    table = load_table(args.table)
-    cfgs = table["configs"]
-    points = [p for p in table["points"] if p["M"] <= 16 and p["weight_bytes"] > 0 and p["shape"] in args.shapes]
-    plan = {}
-    for p in points:
-        idx = table["shapes"][p["shape"]]["configs"]
-        timed = {cfgs[i]["id"]: t for i, t in zip(idx, p["median_us"]) if t is not None}
-        top = sorted(timed, key=timed.get)[:args.top]
-        plan[id(p)] = [(cid, timed.get(cid)) for cid in (args.configs or top)]
+    points, plan = decode_plan(args.table, args.shapes, args.top, args.configs)
     V = args.variants
     compile_in_pool(warm_config, sorted({(p["shape"], c, False, tuple(V)) for p in points for c, _ in plan[id(p)]}),
                     args.workers)
@@ -170,10 +161,7 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
         w13, w2 = expert_weights(s, dev)  # the bench's draw (seed 17, w13 then w2)
         for p in (q for q in points if q["shape"] == name):
             M = p["M"]
-            g = torch.Generator(device=dev).manual_seed(7 * M + 1)
-            x = torch.randn(M, s.hidden, generator=g, device=dev, dtype=torch.bfloat16)
-            r = point_routing(s, M, p["beta"], M)
-            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            x, ids, tw = point_inputs(s, p, dev)
             best = {}
             for cid, dataset_us in plan[id(p)]:
                 c = config_of(cid)

@@ -48,6 +48,35 @@ def config_of(record_or_id):
     return KernelConfig(form="fused" if form == "F" else "two_launch", **v)
 
 
+def decode_plan(table_path: str, shapes, top: int, configs=None) -> tuple[list, dict]:
+    """The M <= 16 points of a bf16 dataset table that touch weights, among ``shapes``, and per
+    point (keyed by ``id(point)``) the ``top`` configs that were fastest there, or ``configs``,
+    each with its µs in the table (None where it was not timed): ``(points, plan)``."""
+    from moekit.bench.kernel_report import load_table
+
+    table = load_table(table_path)
+    cfgs = table["configs"]
+    points = [p for p in table["points"] if p["M"] <= 16 and p["weight_bytes"] > 0 and p["shape"] in shapes]
+    plan = {}
+    for p in points:
+        idx = table["shapes"][p["shape"]]["configs"]
+        timed = {cfgs[i]["id"]: t for i, t in zip(idx, p["median_us"]) if t is not None}
+        plan[id(p)] = [(cid, timed.get(cid)) for cid in (configs or sorted(timed, key=timed.get)[:top])]
+    return points, plan
+
+
+def point_inputs(s, point: dict, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, H] bf16, topk ids and weights of a table point of bench shape ``s``, drawn as the
+    probes always draw them (x from seed 7 M + 1, the routing from seed M), on ``dev``."""
+    from moekit.bench.kernel import point_routing
+
+    M = point["M"]
+    g = torch.Generator(device=dev).manual_seed(7 * M + 1)
+    x = torch.randn(M, s.hidden, generator=g, device=dev, dtype=torch.bfloat16)
+    r = point_routing(s, M, point["beta"], M)
+    return x, r.ids.to(dev), r.weights.to(dev)
+
+
 def warm_routing(top_k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing for a compile-warming call: every row to experts 0..top_k-1, weight 0.5 (CUDA)."""
     ids = torch.arange(top_k, device="cuda").repeat(rows, 1)

@@ -31,8 +31,8 @@ import time
 
 import torch
 from pdl_ab import warm_config
-from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, median_us,
-                          write_result)
+from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, decode_plan, expert_weights,
+                          median_us, point_inputs, write_result)
 
 TABLE = "benchmarks/results/h200-kernel-b7236b5-decode/kernel-cpu-0x-20261124T165106Z-table.json.gz"
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
@@ -54,8 +54,7 @@ def alone_and_stream(calls, flusher, rounds: int, iters: int) -> dict:
 
 
 def main() -> int:
-    from moekit.bench.kernel import bench_shape, point_routing
-    from moekit.bench.kernel_report import load_table
+    from moekit.bench.kernel import bench_shape
     from moekit.kernels import fused_moe
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,15 +73,8 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     ways = ("alone", "stream")
 
-    table = load_table(args.table)
-    cfgs = table["configs"]
-    points = [q for q in table["points"] if q["M"] <= 16 and q["weight_bytes"] > 0 and q["shape"] in args.shapes]
-    plan = {}
-    for q in points:
-        idx = table["shapes"][q["shape"]]["configs"]
-        timed = {cfgs[i]["id"]: t for i, t in zip(idx, q["median_us"]) if t is not None}
-        plan[id(q)] = sorted(timed, key=timed.get)[:args.top]
-    compile_in_pool(warm_config, sorted({(q["shape"], c, False, ("on",)) for q in points for c in plan[id(q)]}),
+    points, plan = decode_plan(args.table, args.shapes, args.top)
+    compile_in_pool(warm_config, sorted({(q["shape"], c, False, ("on",)) for q in points for c, _ in plan[id(q)]}),
                     args.workers)
     ceilings, flusher = ceilings_and_flusher(dev)
     hbm = ceilings["hbm_gbps"]
@@ -99,12 +91,9 @@ def main() -> int:
         weights = [expert_weights(s, dev, seed=17 + r) for r in range(args.calls)]
         for q in (q for q in points if q["shape"] == name):
             M = q["M"]
-            g = torch.Generator(device=dev).manual_seed(7 * M + 1)
-            x = torch.randn(M, s.hidden, generator=g, device=dev, dtype=torch.bfloat16)
-            r = point_routing(s, M, q["beta"], M)
-            ids, tw = r.ids.to(dev), r.weights.to(dev)
+            x, ids, tw = point_inputs(s, q, dev)
             best = {}
-            for cid in plan[id(q)]:
+            for cid, _ in plan[id(q)]:
                 c = config_of(cid)
                 calls = [lambda w=w, c=c: fused_moe(x, *w, ids, tw, c) for w in weights]
                 row = {"part": "config", "shape": name, "M": M, "beta": q["beta"], "config": cid,
