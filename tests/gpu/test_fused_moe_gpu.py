@@ -255,3 +255,33 @@ def test_decode_schedule_graph_replays_with_new_routing(monkeypatch, persistent,
         ref = reference_moe(x, ref_w, new_ids, new_tw)
         assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
         assert torch.equal(y, fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")), step
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_persistent_stamps_change_nothing(monkeypatch, tokens):
+    """The probes' timestamps (``PERSISTENT_STAMPS``): with them the persistent decode kernel gives
+    the same bits, and each program's stamps are in the order of its phases (start <= routing
+    done <= phase 1 done <= barrier left <= end; a program's last phase-1 unit between routing
+    and phase 1 done), with every program past the barrier after the last one reached it."""
+    import importlib
+
+    fm = importlib.import_module("moekit.kernels.fused_moe")
+    w = MoEWeights.random(NARROW_SHAPE, seed=6, dtype=torch.float32)
+    x = torch.randn(tokens, NARROW_SHAPE.hidden, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
+    w13, w2 = w.w13.bfloat16().cuda(), w.w2.bfloat16().cuda()
+    ids, tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k, zipf=1.3, seed=8)
+    cfg = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_launch")
+    plain = fused_moe(x, w13, w2, ids.cuda(), tw.cuda(), cfg, alignment="direct")
+    stamps = torch.zeros(8 * 1024, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(fm, "PERSISTENT_STAMPS", stamps)
+    stamped = fused_moe(x, w13, w2, ids.cuda(), tw.cuda(), cfg, alignment="direct")
+    torch.cuda.synchronize()
+    assert torch.equal(plain, stamped)
+    t = stamps.view(-1, 8).cpu()
+    t = t[t[:, 0] > 0]
+    assert t.shape[0] >= torch.cuda.get_device_properties(0).multi_processor_count
+    assert (t[:, :5].diff(dim=1) >= 0).all()
+    assert t[:, 3].min() >= t[:, 2].max()  # nobody leaves the barrier before everybody reached it
+    unit = t[:, 5] > 0
+    assert unit.any()
+    assert ((t[unit, 5] >= t[unit, 1]) & (t[unit, 5] <= t[unit, 6]) & (t[unit, 6] <= t[unit, 2])).all()

@@ -173,6 +173,7 @@ def test_quantize_groups_triton_is_bitwise_the_reference(dtype):
     x = _spread_groups(torch.randn(37, 384, generator=g, dtype=torch.float64) * 3, g)
     x[3] = 0  # an all-zero row: scale from the 1e-4 floor, q = 0
     x[5, :128] = 0
+    x[7, :64:2] = -0.0  # negative zeros stay negative (e4m3 0x80), as in the reference
     x = x.to(dtype)
     q, s = quantize_groups_triton(x.to(DEVICE))
     q_ref, s_ref = quantize_groups(x, 128)

@@ -92,6 +92,8 @@ def _interpreting() -> bool:
 
 
 if HAVE_TRITON:
+    from triton.language.extra.cuda import globaltimer
+
     from moekit.kernels.pdl import pdl_prologue
     from moekit.kernels.quant import _quantize_tile
 
@@ -535,7 +537,8 @@ if HAVE_TRITON:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             p_ptrs = part_ptr + tok[:, None] * H + offs_h[None, :]  # split 0's [BM, BN] partial
-            tl.store(p_ptrs + split * BM * H, acc, mask=h_ok[None, :])
+            # Only the tokens' rows (the others are zero sums, never stored).
+            tl.store(p_ptrs + split * BM * H, acc, mask=o_mask)
             # Every thread's partial is written before the (one-thread) release of the count.
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + pid_h, 1, sem="acq_rel", scope="gpu")
@@ -543,7 +546,7 @@ if HAVE_TRITON:
                 total = tl.zeros((BM, BN), dtype=tl.float32)
                 for t in range(0, SPLITS):  # (a constant bound, for the interpreter)
                     # .cg: from L2, where the other CTAs' partials are (never this SM's L1).
-                    total += tl.load(p_ptrs + t * BM * H, mask=h_ok[None, :] & (t < splits), other=0.0,
+                    total += tl.load(p_ptrs + t * BM * H, mask=o_mask & (t < splits), other=0.0,
                                      cache_modifier=".cg")
                 tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -583,7 +586,7 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -613,14 +616,17 @@ if HAVE_TRITON:
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
                                              PRECISION, FP8, SWAP_AB)
+        _stamp(stamps_ptr, 5, STAMPS)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                        N, BM, BN, FP8, SOFT_ROUND)
         else:
             r = tl.arange(0, BM)[:, None] * (2 * BN) + tl.arange(0, BN)[None, :]
             p_ptrs = part_ptr + tile * splits * (BM * 2 * BN) + r  # share 0's gate partial
-            tl.store(p_ptrs + share * (BM * 2 * BN), acc_g)
-            tl.store(p_ptrs + share * (BM * 2 * BN) + BN, acc_u)
+            # Only the rows of tokens that picked the expert (the others are zero sums).
+            p_ok = row_ok[:, None]
+            tl.store(p_ptrs + share * (BM * 2 * BN), acc_g, mask=p_ok)
+            tl.store(p_ptrs + share * (BM * 2 * BN) + BN, acc_u, mask=p_ok)
             # Every thread's partial is written before the (one-thread) release of the count.
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -628,11 +634,12 @@ if HAVE_TRITON:
                 acc_g = tl.zeros((BM, BN), dtype=tl.float32)
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
                 for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
-                    t_ok = t < splits
+                    t_ok = p_ok & (t < splits)
                     acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
                 _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                            N, BM, BN, FP8, SOFT_ROUND)
+        _stamp(stamps_ptr, 6, STAMPS)
 
     @triton.jit
     def _grid_barrier(count_ptr, num_programs):
@@ -646,10 +653,16 @@ if HAVE_TRITON:
             seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
+    @triton.jit
+    def _stamp(stamps_ptr, k, STAMPS: tl.constexpr):
+        """Probe only (STAMPS): this program's k-th timestamp (ns, the GPU's global timer)."""
+        if STAMPS:
+            tl.store(stamps_ptr + tl.program_id(0) * 8 + k, globaltimer())
+
     @triton.jit(do_not_specialize=_NO_SPECIALIZE_DECODE)
     def _persistent_decode_kernel(
-        x_ptr, w13_ptr, w2_ptr, inter_ptr, out_ptr, part1_ptr, part2_ptr, sync_ptr, weights_ptr, ids_ptr,
-        num_tokens, top_k, num_experts, H: tl.constexpr, N: tl.constexpr,
+        x_ptr, w13_ptr, w2_ptr, inter_ptr, out_ptr, part1_ptr, part2_ptr, sync_ptr, stamps_ptr, weights_ptr,
+        ids_ptr, num_tokens, top_k, num_experts, H: tl.constexpr, N: tl.constexpr,
         stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2h, stride_w2k, stride_im, stride_om,
         xs_ptr, w13s_ptr, w2s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn, stride_w13sk,
         stride_w2se, stride_w2sh, stride_w2sk, stride_ism,
@@ -657,7 +670,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -677,8 +690,12 @@ if HAVE_TRITON:
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
         every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
         as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
-        PDL: waits for the zeroing of ``sync`` (``pdl``)."""
+        PDL: waits for the zeroing of ``sync`` (``pdl``). STAMPS (probes only): each program
+        writes the global timer to ``stamps[pid, 0..4]`` as it starts, after the routing, after
+        phase 1, after the barrier and at its end, and to ``stamps[pid, 5..6]`` as its last phase-1
+        unit ends its reduction loop and its epilogue."""
         pdl_prologue(PDL, False)
+        _stamp(stamps_ptr, 0, STAMPS)
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         TILES1: tl.constexpr = (N + BN1 - 1) // BN1
@@ -686,6 +703,7 @@ if HAVE_TRITON:
         ids, valid, wts, named = _direct_routing(ids_ptr, weights_ptr, num_tokens, top_k, num_experts, BM, KP, BINS,
                                                  True)
         num_named = tl.max(named, 0)
+        _stamp(stamps_ptr, 1, STAMPS)
         if PHASES % 2 == 1:
             tiles = num_named * TILES1
             splits1 = tl.minimum(tl.maximum(grid // tl.maximum(tiles, 1), 1), MAX_SPLITS1)
@@ -697,10 +715,12 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
                 u += grid
+        _stamp(stamps_ptr, 2, STAMPS)
         if PHASES == 3:
             _grid_barrier(sync_ptr, grid)
+        _stamp(stamps_ptr, 3, STAMPS)
         if PHASES >= 2:
             splits2 = tl.minimum(tl.maximum(num_named, 1), SPLITS2)
             # Share-major order: the live units (shares < splits2) are the first ones.
@@ -713,6 +733,7 @@ if HAVE_TRITON:
                                    MAX_BLOCKS, (N + BK2 - 1) // BK2, SPLITS2, RUNTIME_TRIP, BM, BN2, BK2,
                                    PRECISION, FP8)
                 u += grid
+        _stamp(stamps_ptr, 4, STAMPS)
 
     @triton.jit(do_not_specialize=_NO_SPECIALIZE)
     def _fused_kernel(
@@ -883,6 +904,15 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 DECODE_W2_CHUNK_BYTES = 16 * 1024
 DECODE_SMEM_BUDGET = 192 * 1024
 DECODE_CTAS_PER_SM = 2
+# FP8 w2 (1-byte elements) is widened further: towards 32 KB, a 32-column tile's whole row up to
+# N = 1024, with twice the budget. The budget counts every stage of a chunk, but in the
+# persistent kernel the FP8 chunk is read one 128-column group per dot and its size did not
+# change the binary's shared memory at 2-3 stages (phase 1's tiles set it). On an H200
+# (benchmarks/results/h200-decode-timeline) this took the best FP8 decode calls from 161.5 to
+# 133.5 µs (qwen3 M = 16, beta = 1) and 34.8 to 32.5 (M = 1); for bf16 the same widening was
+# slower (31.8 -> 34.1 µs at qwen3 M = 1), so bf16 keeps the values above.
+DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
+DECODE_SMEM_BUDGET_FP8 = 384 * 1024
 # The decode schedule runs as one cooperative launch (``_persistent_decode_kernel``: GEMM1, a
 # grid barrier, GEMM2) instead of two kernels; False selects the two-kernel version (kept to
 # measure one against the other). The persistent grid takes up to PERSISTENT_CTAS_PER_SM CTAs
@@ -893,6 +923,9 @@ DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
 INTERPRET_GRID = 5
+# Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
+# writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
+PERSISTENT_STAMPS: torch.Tensor | None = None
 
 
 def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes: int, max_blocks: int,
@@ -905,14 +938,16 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     ``DECODE_W2_CHUNK_BYTES`` of w2 and N rounded up to a power of two, as long as ``stages``
     copies of the [bm, chunk] and [chunk, tile] tiles fit DECODE_SMEM_BUDGET shared among the
     CTAs an SM then holds. FP8 (bk = 128) widens it by whole scale groups, one dot per group
-    (``_decode_step``).
+    (``_decode_step``), with the FP8 values of both constants.
     """
     bn = _decode_column_tile(H, device)
     tiles = -(-H // bn)
     sms = sm_count(device)
     splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
-    budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
-    target = min(max(bk, DECODE_W2_CHUNK_BYTES // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
+    chunk_bytes, smem = ((DECODE_W2_CHUNK_BYTES_FP8, DECODE_SMEM_BUDGET_FP8) if elem_bytes == 1
+                         else (DECODE_W2_CHUNK_BYTES, DECODE_SMEM_BUDGET))
+    budget = smem // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
+    target = min(max(bk, chunk_bytes // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
     chunk = bk
     while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= budget:
         chunk *= 2
@@ -1083,16 +1118,18 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, PDL=on, num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
+                 SWAP_AB=c.swap_ab, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
-        return (x2d, w13, w2, inter, out, part1, part2, sync, wptr, ids, num_tokens, top_k, num_experts, H, N,
-                x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1),
+        return (x2d, w13, w2, inter, out, part1, part2, sync, stamps, wptr, ids, num_tokens, top_k, num_experts,
+                H, N, x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1),
                 w2.stride(2), inter.stride(0), out.stride(0),
                 xs_args[0], w13s_args[0], w2s_args[0], is_args[0], xs_args[1], *w13s_args[1:], *w2s_args[1:],
                 is_args[1])
 
     f32 = torch.empty(1, dtype=torch.float32, device=device)  # the partials' pointers where there are none
+    stamps = PERSISTENT_STAMPS if PERSISTENT_STAMPS is not None else f32
     if interp:
         grid = INTERPRET_GRID
         launches = [dict(PHASES=1), dict(PHASES=2)]

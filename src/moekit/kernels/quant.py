@@ -87,7 +87,12 @@ if HAVE_TRITON:
         """One e4m3 group per row of float32 ``v`` [R, 128]: (q [R, 128] fp8, scale [R] float32)."""
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
-        q = tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape))
+        # A zero's quotient is that zero (sign and all). The correctly rounded division takes a
+        # slow path (a called subroutine) for a zero dividend, and the rows of a token block past
+        # its tokens are all zeros: divide a one in their place and keep the zero.
+        zero = v == 0.0
+        q = tl.math.div_rn(tl.where(zero, 1.0, v), tl.broadcast_to(scale[:, None], v.shape))
+        q = tl.where(zero, v, q)
         q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
         if SOFT_ROUND:
             q = _e4m3_round(q)

@@ -1,0 +1,211 @@
+"""Developer probe: where the persistent decode kernel's time goes, from timestamps its programs
+write (``fused_moe.PERSISTENT_STAMPS``), and the call's time under settings of the kernel
+module toggled in the same process (not the dataset).
+
+Per (shape, M, beta) point, for each case of CASES (a precision, a decode-schedule config and a
+setting of SETTINGS):
+
+* the call's median µs as the bench times it (CUDA-graph replay, 256 MB L2 flush before each,
+  median of ``--iters``; two interleaved rounds, the lower kept);
+* the timeline of a stamped build of the same call, replayed as timed: per replay, from the
+  first program's start, the last program's start, the median program's routing done, phase 1
+  done (median, last), the barrier left (first, last), the end (last), and the epilogue of each
+  program's last phase-1 unit (median, longest); medians over replays;
+  plus one replay's per-program stamps (``raw``) for the first case of each precision.
+
+Each FP8 case's output is compared with the first FP8 case's (relative Frobenius error; the
+settings change the float32 summation order where they change the reduction's shares).
+
+    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/decode_timeline.py [--out F]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import statistics
+import time
+
+import torch
+from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, median_us, probe_parser,
+                          warm_error, warm_routing, write_result)
+
+FP8 = torch.float8_e4m3fn
+POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 16, 0.25), ("qwen3-30b-a3b", 16, 1.0),
+          ("deepseek-v3-tp8", 1, 1.0), ("olmoe-1b-7b", 16, 0.25))
+# The decode-schedule config of the bf16 dataset's winners at these points (b7236b5).
+BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
+# Module settings toggled per case (``fused_moe``'s names). ``fp8_w2_16k``: the FP8 decode GEMM2's
+# chunk as before 2026-11-24 (the bf16 constants). Measured and dropped at earlier commits (README
+# of benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load, 1/3/4
+# CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step, PERSISTENT_MAX_SPLITS = 4, and the
+# wider chunk for bf16.
+SETTINGS = {"base": {},
+            "fp8_w2_16k": {"DECODE_W2_CHUNK_BYTES_FP8": 16 * 1024, "DECODE_SMEM_BUDGET_FP8": 192 * 1024}}
+# (label, precision, config, setting)
+_FP8_S2, _FP8_S3X = "T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1-x"
+CASES = [("bf16", "bf16", BF16_CONFIG, "base")]
+CASES += [(f"fp8 s{s}{'-x' if x else ''}", "fp8", f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", "base")
+          for s in (2, 3, 4) for x in (False, True)]
+CASES += [(f"fp8 {tag} fp8_w2_16k", "fp8", cid, "fp8_w2_16k") for tag, cid in (("s2", _FP8_S2), ("s3-x", _FP8_S3X))]
+STAMP_ROWS = 8 * 1024  # programs the stamp buffer has room for
+
+
+def _module():
+    return importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
+
+
+@contextlib.contextmanager
+def settings(values: dict, stamps: torch.Tensor | None = None):
+    """The kernel module with ``values`` (and the stamp buffer) set, restored on exit."""
+    fm = _module()
+    values = {**values, "PERSISTENT_STAMPS": stamps}
+    saved = {k: getattr(fm, k) for k in values}
+    for k, v in values.items():
+        setattr(fm, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(fm, k, v)
+
+
+def _inputs(shape, M: int, beta: float, dev):
+    """x, routing, bf16 weights and their FP8 version of one point."""
+    from moekit.bench.kernel import point_routing
+    from moekit.fp8 import quantize_blocks
+
+    w13, w2 = expert_weights(shape, dev)
+    (q13, s13), (q2, s2) = quantize_blocks(w13, 128), quantize_blocks(w2, 128)
+    g = torch.Generator(device=dev).manual_seed(7 * M + 1)
+    x = torch.randn(M, shape.hidden, generator=g, device=dev, dtype=torch.bfloat16)
+    r = point_routing(shape, M, beta, seed=M)
+    return x, r.ids.to(dev), r.weights.to(dev), (w13, w2, {}), (q13, q2, dict(w13_scale=s13, w2_scale=s2))
+
+
+def _warm(task) -> str | None:
+    """Compile one case with and without stamps, in a pool worker."""
+    shape_name, cid, fp8, setting = task
+
+    def launch():
+        from dataclasses import replace
+
+        from moekit.bench.kernel import bench_shape
+        from moekit.kernels import fused_moe
+
+        shape = bench_shape(shape_name)
+        small = replace(shape, num_experts=2 * shape.top_k, routed_experts=2 * shape.top_k)
+        x, _, _, bf16, q = _inputs(small, 1, 1.0, torch.device("cuda"))
+        w13, w2, kw = q if fp8 else bf16
+        ids, w = warm_routing(small.top_k, 1)
+        stamps = torch.zeros(STAMP_ROWS * 8, dtype=torch.int64, device="cuda")
+        for st in (None, stamps):
+            with settings(SETTINGS[setting], st):
+                fused_moe(x, w13, w2, ids, w, config_of(cid), **kw)
+    return warm_error(f"{shape_name} {cid} fp8={fp8} {setting}", launch)
+
+
+def timeline(run, flusher, stamps: torch.Tensor, replays: int) -> dict:
+    """Medians over graph replays (L2 flushed before each) of the stamped call's phase times, µs
+    from the first program's start."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    keys = ("last_start", "routing_p50", "phase1_p50", "phase1_last", "barrier_first", "barrier_last", "end_last",
+            "epilogue_p50", "epilogue_max")
+    samples = {k: [] for k in keys}
+    programs = 0
+    for _ in range(replays):
+        stamps.zero_()
+        flusher()
+        graph.replay()
+        torch.cuda.synchronize()
+        t = stamps.view(-1, 8)
+        t = t[t[:, 0] > 0, :7].double()
+        programs = t.shape[0]
+        rel = (t - t[:, 0].min()) / 1e3
+        samples["last_start"].append(rel[:, 0].max().item())
+        samples["routing_p50"].append(rel[:, 1].median().item())
+        samples["phase1_p50"].append(rel[:, 2].median().item())
+        samples["phase1_last"].append(rel[:, 2].max().item())
+        samples["barrier_first"].append(rel[:, 3].min().item())
+        samples["barrier_last"].append(rel[:, 3].max().item())
+        samples["end_last"].append(rel[:, 4].max().item())
+        worked = t[:, 5] > 0  # programs with a phase-1 unit: the last one's loop and epilogue
+        epilogue = (t[worked, 6] - t[worked, 5]) / 1e3
+        samples["epilogue_p50"].append(epilogue.median().item() if worked.any() else 0.0)
+        samples["epilogue_max"].append(epilogue.max().item() if worked.any() else 0.0)
+    out = {k: round(statistics.median(v), 2) for k, v in samples.items()}
+    out["programs"] = programs
+    # The last replay, per program: stamps 0-6 in µs from the first start (5, 6: None without a unit).
+    out["raw"] = [[round(v, 2) for v in row[:5]] + ([round(v, 2) for v in row[5:]] if ok else [None, None])
+                  for row, ok in zip(rel.tolist(), worked.tolist())]
+    return out
+
+
+def main() -> None:
+    parser = probe_parser(__doc__, sorted({p[0] for p in POINTS}), "decode-timeline.json")
+    parser.add_argument("--replays", type=int, default=20)
+    args = parser.parse_args()
+    from moekit.bench.kernel import bench_shape, point_work
+    from moekit.kernels import fused_moe
+
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    points = [p for p in POINTS if p[0] in args.shapes]
+    tasks = sorted({(p[0], cid, prec == "fp8", st) for p in points for _, prec, cid, st in CASES})
+    errors = compile_in_pool(_warm, tasks, args.workers)
+    ceilings, flusher = ceilings_and_flusher(dev)
+    stamps = torch.zeros(STAMP_ROWS * 8, dtype=torch.int64, device=dev)
+    rows = []
+    for name, M, beta in points:
+        shape = bench_shape(name)
+        x, ids, w, bf16, q = _inputs(shape, M, beta, dev)
+        runs, us, reference = {}, {}, {}
+        for label, prec, cid, st in CASES:
+            w13, w2, kw = q if prec == "fp8" else bf16
+            cfg = config_of(cid)
+            runs[label] = (lambda w13=w13, w2=w2, kw=kw, cfg=cfg: fused_moe(x, w13, w2, ids, w, cfg, **kw)), st
+        for _ in range(2):  # two interleaved rounds; the lower median is kept
+            for label, (run, st) in runs.items():
+                with settings(SETTINGS[st]):
+                    try:
+                        t = median_us(run, flusher, args.iters)
+                    except Exception as error:  # noqa: BLE001
+                        errors.append(f"{name} M={M} {label}: {type(error).__name__}: {str(error)[:200]}")
+                        continue
+                us[label] = round(min(t, us.get(label, t)), 2)
+        for label, prec, cid, st in CASES:
+            if label not in us:
+                continue
+            run = runs[label][0]
+            work = point_work(shape, ids.cpu(), 1 if prec == "fp8" else 2)
+            row = dict(shape=name, M=M, beta=beta, case=label, precision=prec, config=cid, setting=st,
+                       touched=work["touched_experts"], weight_bytes=work["weight_bytes"], us=us[label])
+            with settings(SETTINGS[st]):
+                y = run().double()
+            if prec not in reference:
+                reference[prec] = y
+            else:
+                row["rel_to_first"] = ((y - reference[prec]).norm() / reference[prec].norm()).item()
+            with settings(SETTINGS[st], stamps):
+                try:
+                    row["timeline"] = timeline(run, flusher, stamps, args.replays)
+                except Exception as error:  # noqa: BLE001
+                    errors.append(f"{name} M={M} {label} stamped: {type(error).__name__}: {str(error)[:200]}")
+            if "rel_to_first" in row and "timeline" in row:
+                del row["timeline"]["raw"]  # (kept for the first case of each precision)
+            rows.append(row)
+            floor = work["weight_bytes"] / (ceilings["hbm_gbps"] * 1e3)
+            tl_ = row.get("timeline", {})
+            print(f"{name:16s} M={M:3d} beta={beta:4.2f} {label:22s} {us[label]:6.1f} us  "
+                  f"({work['weight_bytes'] / 1e6:5.1f} MB, floor {floor:5.1f})  "
+                  + " ".join(f"{k} {v}" for k, v in tl_.items() if k != "raw")
+                  + (f"  rel {row['rel_to_first']:.1e}" if "rel_to_first" in row else ""), flush=True)
+        write_result(args.out, ceilings, rows, errors, t0)
+
+
+if __name__ == "__main__":
+    main()
