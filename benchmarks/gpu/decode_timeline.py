@@ -40,8 +40,7 @@ BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
 # of benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load, 1/3/4
 # CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step, PERSISTENT_MAX_SPLITS = 4, and the
 # wider chunk for bf16.
-SETTINGS = {"base": {},
-            "fp8_w2_16k": {"DECODE_W2_CHUNK_BYTES_FP8": 16 * 1024, "DECODE_SMEM_BUDGET_FP8": 192 * 1024}}
+SETTINGS = {"base": {}, "fp8_w2_16k": {"DECODE_W2_CHUNK_BYTES_FP8": 16 * 1024}}
 # (label, precision, config, setting)
 _FP8_S2, _FP8_S3X = "T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1-x"
 CASES = [("bf16", "bf16", BF16_CONFIG, "base")]

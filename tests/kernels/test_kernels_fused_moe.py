@@ -173,7 +173,8 @@ def test_decode_gemm2_plan():
     """The decode GEMM2 splits the named experts until the grid has ~2 CTAs per SM (at most one
     split per block), and widens the config's bk towards 16 KB of w2 per chunk (capped by N,
     and by the config's stages fitting 192 KB shared by the CTAs of an SM); FP8 (1-byte
-    elements) by whole 128-wide scale groups, towards 32 KB within 384 KB."""
+    elements) by whole 128-wide scale groups, with bm <= 32 towards 32 KB counting stages - 1
+    copies of the tiles."""
     from moekit.kernels.fused_moe import _decode_gemm2_plan
 
     cpu = torch.device("cpu")  # 132 SMs
@@ -186,9 +187,11 @@ def test_decode_gemm2_plan():
     assert _decode_gemm2_plan(16384, 4096, 16, 256, 3, 2, 8, cpu) == (64, 256, 1)  # never below bk
     assert _decode_gemm2_plan(2048, 1024, 64, 64, 4, 2, 8, cpu) == (32, 128, 4)  # 4 of 48 KB would not fit
     assert _decode_gemm2_plan(48, 40, 16, 32, 3, 2, 8, cpu) == (32, 64, 8)  # the tests' tiny shape
-    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 1, 8, cpu) == (32, 1024, 4)  # FP8: 8 groups of 128
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 3, 1, 8, cpu) == (32, 1024, 4)  # FP8: 8 groups of 128
     assert _decode_gemm2_plan(2048, 768, 16, 128, 2, 1, 8, cpu) == (32, 1024, 4)  # FP8: N = 768 in one chunk
-    assert _decode_gemm2_plan(2048, 768, 16, 128, 5, 1, 8, cpu) == (32, 512, 4)  # 5 stages of 48 KB: no
+    assert _decode_gemm2_plan(2048, 1024, 16, 128, 4, 1, 8, cpu) == (32, 512, 4)  # 3 copies of 48 KB: no
+    assert _decode_gemm2_plan(2048, 1024, 32, 128, 3, 1, 8, cpu) == (32, 512, 4)  # 2 copies of 64 KB: no
+    assert _decode_gemm2_plan(2048, 1024, 64, 128, 3, 1, 8, cpu) == (32, 256, 4)  # bm = 64: the bf16 rule
     assert _decode_gemm2_plan(7168, 256, 16, 128, 4, 1, 8, cpu) == (32, 256, 1)  # FP8, N caps it: 2 groups
 
 

@@ -904,15 +904,15 @@ def _decode_column_tile(H: int, device: torch.device) -> int:
 DECODE_W2_CHUNK_BYTES = 16 * 1024
 DECODE_SMEM_BUDGET = 192 * 1024
 DECODE_CTAS_PER_SM = 2
-# FP8 w2 (1-byte elements) is widened further: towards 32 KB, a 32-column tile's whole row up to
-# N = 1024, with twice the budget. The budget counts every stage of a chunk, but in the
-# persistent kernel the FP8 chunk is read one 128-column group per dot and its size did not
-# change the binary's shared memory at 2-3 stages (phase 1's tiles set it). On an H200
-# (benchmarks/results/h200-decode-timeline) this took the best FP8 decode calls from 161.5 to
-# 133.5 µs (qwen3 M = 16, beta = 1) and 34.8 to 32.5 (M = 1); for bf16 the same widening was
-# slower (31.8 -> 34.1 µs at qwen3 M = 1), so bf16 keeps the values above.
+# FP8 w2 (1-byte elements) under token blocks of at most 32 rows is widened further, towards
+# DECODE_W2_CHUNK_BYTES_FP8 (a 32-column tile's whole row up to N = 1024), counting stages - 1
+# copies in the budget: compiled for sm_90 (bm 16 / 32, 2-5 stages), those kernels' shared
+# memory is that of phase 1's tiles plus stages - 1 chunk copies, and every plan fits two CTAs
+# per SM where it did before. (At bm >= 64 the compiled kernels hold `stages` copies and more,
+# so they keep the bf16 rule.) On an H200 (benchmarks/results/h200-decode-timeline) this took
+# the best FP8 decode call from 147.5 to 129.8 µs at qwen3 M = 16, beta = 1, and 30.3 to 28.7 at
+# M = 1; for bf16 the same widening was slower (31.8 -> 34.1 µs at qwen3 M = 1).
 DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
-DECODE_SMEM_BUDGET_FP8 = 384 * 1024
 # The decode schedule runs as one cooperative launch (``_persistent_decode_kernel``: GEMM1, a
 # grid barrier, GEMM2) instead of two kernels; False selects the two-kernel version (kept to
 # measure one against the other). The persistent grid takes up to PERSISTENT_CTAS_PER_SM CTAs
@@ -938,18 +938,19 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     ``DECODE_W2_CHUNK_BYTES`` of w2 and N rounded up to a power of two, as long as ``stages``
     copies of the [bm, chunk] and [chunk, tile] tiles fit DECODE_SMEM_BUDGET shared among the
     CTAs an SM then holds. FP8 (bk = 128) widens it by whole scale groups, one dot per group
-    (``_decode_step``), with the FP8 values of both constants.
+    (``_decode_step``); with bm <= 32 towards ``DECODE_W2_CHUNK_BYTES_FP8``, counting stages - 1
+    copies (see there).
     """
     bn = _decode_column_tile(H, device)
     tiles = -(-H // bn)
     sms = sm_count(device)
     splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
-    chunk_bytes, smem = ((DECODE_W2_CHUNK_BYTES_FP8, DECODE_SMEM_BUDGET_FP8) if elem_bytes == 1
-                         else (DECODE_W2_CHUNK_BYTES, DECODE_SMEM_BUDGET))
-    budget = smem // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
+    narrow_fp8 = elem_bytes == 1 and bm <= 32
+    chunk_bytes, copies = (DECODE_W2_CHUNK_BYTES_FP8, stages - 1) if narrow_fp8 else (DECODE_W2_CHUNK_BYTES, stages)
+    budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
     target = min(max(bk, chunk_bytes // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
     chunk = bk
-    while chunk < target and stages * (bm + bn) * 2 * chunk * elem_bytes <= budget:
+    while chunk < target and copies * (bm + bn) * 2 * chunk * elem_bytes <= budget:  # (the doubled chunk)
         chunk *= 2
     return bn, chunk, splits
 
