@@ -4,7 +4,7 @@
 The changes, each a setting of ``moekit.kernels.fused_moe`` that this probe toggles:
 
 * ``wide``: the decode GEMM2 takes chunks of several 128-wide scale groups (``_decode_gemm2_plan``
-  widens FP8 chunks towards DECODE_W2_CHUNK_BYTES as it does bf16 ones) instead of one;
+  widens FP8 chunks by whole groups, since 539b99b towards DECODE_W2_CHUNK_BYTES_FP8) instead of one;
 * ``splits``: the persistent kernel's GEMM1 reduction is split into up to 16 shares
   (``PERSISTENT_MAX_SPLITS``) instead of 8.
 
