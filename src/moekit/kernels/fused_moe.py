@@ -909,9 +909,9 @@ DECODE_CTAS_PER_SM = 2
 # copies in the budget: compiled for sm_90 (bm 16 / 32, 2-5 stages), those kernels' shared
 # memory is that of phase 1's tiles plus stages - 1 chunk copies, and every plan fits two CTAs
 # per SM where it did before. (At bm >= 64 the compiled kernels hold `stages` copies and more,
-# so they keep the bf16 rule.) On an H200 (benchmarks/results/h200-decode-timeline) this took
-# the best FP8 decode call from 147.5 to 129.8 µs at qwen3 M = 16, beta = 1, and 30.3 to 28.7 at
-# M = 1; for bf16 the same widening was slower (31.8 -> 34.1 µs at qwen3 M = 1).
+# so they keep the bf16 rule.) On an H200 (benchmarks/results/h200-decode-timeline, 539b99b) this
+# took the best FP8 decode call from 148.8 to 131.4 µs at qwen3 M = 16, beta = 1, and 30.0 to 28.8
+# at M = 1; for bf16 the same widening was slower (31.8 -> 34.1 µs at qwen3 M = 1).
 DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 # The decode schedule runs as one cooperative launch (``_persistent_decode_kernel``: GEMM1, a
 # grid barrier, GEMM2) instead of two kernels; False selects the two-kernel version (kept to
@@ -946,7 +946,8 @@ def _decode_gemm2_plan(H: int, N: int, bm: int, bk: int, stages: int, elem_bytes
     sms = sm_count(device)
     splits = max(1, min(max_blocks, round(DECODE_CTAS_PER_SM * sms / tiles)))
     narrow_fp8 = elem_bytes == 1 and bm <= 32
-    chunk_bytes, copies = (DECODE_W2_CHUNK_BYTES_FP8, stages - 1) if narrow_fp8 else (DECODE_W2_CHUNK_BYTES, stages)
+    chunk_bytes, copies = ((DECODE_W2_CHUNK_BYTES_FP8, stages - 1) if narrow_fp8
+                           else (DECODE_W2_CHUNK_BYTES, stages))
     budget = DECODE_SMEM_BUDGET // max(1, min(DECODE_CTAS_PER_SM, -(-tiles * splits // sms)))
     target = min(max(bk, chunk_bytes // (bn * elem_bytes)), 1 << max(0, N - 1).bit_length())
     chunk = bk

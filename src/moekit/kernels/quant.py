@@ -87,9 +87,10 @@ if HAVE_TRITON:
         """One e4m3 group per row of float32 ``v`` [R, 128]: (q [R, 128] fp8, scale [R] float32)."""
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
-        # A zero's quotient is that zero (sign and all). The correctly rounded division takes a
-        # slow path (a called subroutine) for a zero dividend, and the rows of a token block past
-        # its tokens are all zeros: divide a one in their place and keep the zero.
+        # A zero's quotient is that zero (sign and all). The correctly rounded division checks its
+        # operands (FCHK on sm_90) and calls a slow subroutine for some, and the rows of a token
+        # block past its tokens are all zeros: dividing a one in their place and keeping the zero
+        # took the decode kernel's re-quantizing epilogue from 3.8 to 1.8 µs on an H200.
         zero = v == 0.0
         q = tl.math.div_rn(tl.where(zero, 1.0, v), tl.broadcast_to(scale[:, None], v.shape))
         q = tl.where(zero, v, q)
