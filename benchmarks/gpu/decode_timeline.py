@@ -27,8 +27,8 @@ import statistics
 import time
 
 import torch
-from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, median_us, probe_parser,
-                          warm_error, warm_routing, write_result)
+from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expert_weights, median_us, point_inputs,
+                          probe_parser, warm_error, warm_routing, write_result)
 
 FP8 = torch.float8_e4m3fn
 POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 16, 0.25), ("qwen3-30b-a3b", 16, 1.0),
@@ -70,16 +70,13 @@ def settings(values: dict, stamps: torch.Tensor | None = None):
 
 
 def _inputs(shape, M: int, beta: float, dev):
-    """x, routing, bf16 weights and their FP8 version of one point."""
-    from moekit.bench.kernel import point_routing
+    """x, routing (the probes' draws), bf16 weights and their FP8 version of one point."""
     from moekit.fp8 import quantize_blocks
 
     w13, w2 = expert_weights(shape, dev)
     (q13, s13), (q2, s2) = quantize_blocks(w13, 128), quantize_blocks(w2, 128)
-    g = torch.Generator(device=dev).manual_seed(7 * M + 1)
-    x = torch.randn(M, shape.hidden, generator=g, device=dev, dtype=torch.bfloat16)
-    r = point_routing(shape, M, beta, seed=M)
-    return x, r.ids.to(dev), r.weights.to(dev), (w13, w2, {}), (q13, q2, dict(w13_scale=s13, w2_scale=s2))
+    x, ids, tw = point_inputs(shape, {"M": M, "beta": beta}, dev)
+    return x, ids, tw, (w13, w2, {}), (q13, q2, dict(w13_scale=s13, w2_scale=s2))
 
 
 def _warm(task) -> str | None:
