@@ -31,22 +31,23 @@ from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, expe
                           probe_parser, warm_error, warm_routing, write_result)
 
 FP8 = torch.float8_e4m3fn
-POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 16, 0.25), ("qwen3-30b-a3b", 16, 1.0),
-          ("deepseek-v3-tp8", 1, 1.0), ("olmoe-1b-7b", 16, 0.25))
+POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 4, 0.25), ("qwen3-30b-a3b", 16, 0.25),
+          ("qwen3-30b-a3b", 16, 1.0), ("deepseek-v3-tp8", 1, 1.0), ("deepseek-v3-tp8", 16, 0.25),
+          ("deepseek-v3-tp8", 16, 1.0), ("olmoe-1b-7b", 4, 0.5), ("olmoe-1b-7b", 16, 0.25),
+          ("deepseek-v3-ep32", 16, 0.25))
 # The decode-schedule config of the bf16 dataset's winners at these points (b7236b5).
 BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
-# Module settings toggled per case (``fused_moe``'s names). ``fp8_w2_16k``: the FP8 decode GEMM2's
-# chunk as before 2026-11-24 (the bf16 constants). Measured and dropped at earlier commits (README
-# of benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load, 1/3/4
-# CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step, PERSISTENT_MAX_SPLITS = 4, and the
-# wider chunk for bf16.
-SETTINGS = {"base": {}, "fp8_w2_16k": {"DECODE_W2_CHUNK_BYTES_FP8": 16 * 1024}}
+# Module settings toggled per case (``fused_moe``'s names). ``shares``: phase 1 of the persistent
+# kernel as before stream-K (each tile's reduction split into equal shares, units dealt round
+# robin). Measured and dropped at earlier commits (README of
+# benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load, 1/3/4 CTAs
+# per SM, 2 or 4 scale groups per FP8 phase-1 step, PERSISTENT_MAX_SPLITS = 4, the wider GEMM2
+# chunk for bf16, the FP8 chunk as before 2026-11-24.
+SETTINGS = {"base": {}, "shares": {"PERSISTENT_STREAM_K": False}}
 # (label, precision, config, setting)
-_FP8_S2, _FP8_S3X = "T-bm16-bn128-bk128-w4-s2-g1-k1", "T-bm16-bn128-bk128-w4-s3-g1-k1-x"
-CASES = [("bf16", "bf16", BF16_CONFIG, "base")]
-CASES += [(f"fp8 s{s}{'-x' if x else ''}", "fp8", f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", "base")
-          for s in (2, 3, 4) for x in (False, True)]
-CASES += [(f"fp8 {tag} fp8_w2_16k", "fp8", cid, "fp8_w2_16k") for tag, cid in (("s2", _FP8_S2), ("s3-x", _FP8_S3X))]
+CASES = [(f"bf16 {st}", "bf16", BF16_CONFIG, st) for st in SETTINGS]
+CASES += [(f"fp8 s{s}{'-x' if x else ''} {st}", "fp8", f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", st)
+          for s, x in ((2, False), (3, True)) for st in SETTINGS]
 STAMP_ROWS = 8 * 1024  # programs the stamp buffer has room for
 
 

@@ -642,6 +642,101 @@ if HAVE_TRITON:
         _stamp(stamps_ptr, 6, STAMPS)
 
     @triton.jit
+    def _range_start(p, steps, programs):
+        """Stream-K: the first of program ``p``'s steps when ``steps`` are cut into ``programs``
+        contiguous ranges whose lengths differ by at most one (program p owns
+        [start(p), start(p + 1)))."""
+        return (p.to(tl.int64) * steps // programs).to(tl.int32)
+
+    @triton.jit
+    def _range_owner(s, steps, programs):
+        """Stream-K: the program whose range holds step ``s`` (the largest p with start(p) <= s)."""
+        return (((s.to(tl.int64) + 1) * programs - 1) // steps).to(tl.int32)
+
+    @triton.jit
+    def _persistent_gemm1_range(p, programs, tiles, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr,
+                                count_ptr, num_experts, H: tl.constexpr, N: tl.constexpr,
+                                stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
+                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
+                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                                SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
+        """Phase 1 of ``_persistent_decode_kernel`` as stream-K: program ``p``'s contiguous range
+        of the (tile, reduction chunk) steps, tiles = (named expert j, column tile) in order, the
+        steps cut into ``programs`` ranges of equal length (to one step). Every program that
+        takes part streams the same number of w13 bytes, whatever the tiles divide into.
+
+        Each tile the range covers is a segment: a whole tile is stored as SwiGLU of its sums
+        (as GEMM1). A part of a tile stores its float32 gate and up partials in ``part[p, slot]``
+        [BM, 2 BN] (slot 0 if it is the range's first segment, else 1: a range has at most two
+        partial segments, its first and its last) and counts itself at the tile's count, indexed
+        by the tile's first owner (no two split tiles share one). The segment that arrives last
+        adds the tile's partials in owner order (a fixed order: the call is deterministic) and
+        stores the intermediate. The caller keeps each range at least CHUNKS / (MAX_SPLITS - 1)
+        steps long, so no tile has more than MAX_SPLITS segments."""
+        TILES: tl.constexpr = (N + BN - 1) // BN
+        CHUNKS: tl.constexpr = (H + BK - 1) // BK
+        steps = tiles * CHUNKS
+        begin = _range_start(p, steps, programs)
+        end = _range_start(p + 1, steps, programs)
+        s = begin
+        while s < end:
+            tile = s // CHUNKS
+            tile_step = tile * CHUNKS
+            c_begin = s - tile_step
+            c_end = tl.minimum(end - tile_step, CHUNKS)
+            j = tile // TILES
+            pid_n = tile % TILES
+            _, expert, rows, a_rows, row_ok, _ = _direct_block(j, ids, valid, wts, named, num_experts, BM)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            if RUNTIME_TRIP:
+                for c in range(c_begin, c_end):
+                    acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert,
+                                                 offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr,
+                                                 ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION,
+                                                 FP8, SWAP_AB)
+            else:  # the interpreter: a constant trip count, chunks outside the segment masked out
+                for i in range(0, CHUNKS):
+                    acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr,
+                                                 a_rows, row_ok, expert, offs_n, H, N, stride_xm, stride_we,
+                                                 stride_wn, stride_wk, xs_ptr, ws_ptr, stride_xsm, stride_wse,
+                                                 stride_wsn, stride_wsk, BK, PRECISION, FP8, SWAP_AB)
+            _stamp(stamps_ptr, 5, STAMPS)
+            if c_begin == 0 and c_end == CHUNKS:
+                _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
+                           N, BM, BN, FP8, SOFT_ROUND)
+            else:
+                first = _range_owner(tile_step, steps, programs)
+                last = _range_owner(tile_step + CHUNKS - 1, steps, programs)
+                r = tl.arange(0, BM)[:, None] * (2 * BN) + tl.arange(0, BN)[None, :]
+                SLOT: tl.constexpr = BM * 2 * BN
+                # Only the rows of tokens that picked the expert (the others are zero sums).
+                p_ok = row_ok[:, None]
+                mine = part_ptr + (2 * p + (s != begin).to(tl.int32)) * SLOT + r
+                tl.store(mine, acc_g, mask=p_ok)
+                tl.store(mine + BN, acc_u, mask=p_ok)
+                # Every thread's partial is written before the (one-thread) release of the count.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + first, 1, sem="acq_rel", scope="gpu")
+                if arrived == last - first:
+                    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+                    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+                    for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
+                        q = first + t
+                        # q's segment of this tile is its range's first one iff q starts inside the tile
+                        slot = 2 * q + (_range_start(q, steps, programs) < tile_step).to(tl.int32)
+                        t_ok = p_ok & (q <= last)
+                        acc_g += tl.load(part_ptr + slot * SLOT + r, mask=t_ok, other=0.0, cache_modifier=".cg")
+                        acc_u += tl.load(part_ptr + slot * SLOT + r + BN, mask=t_ok, other=0.0,
+                                         cache_modifier=".cg")
+                    _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im,
+                               stride_ism, N, BM, BN, FP8, SOFT_ROUND)
+            _stamp(stamps_ptr, 6, STAMPS)
+            s = tile_step + c_end
+
+    @triton.jit
     def _grid_barrier(count_ptr, num_programs):
         """Wait until every program of the grid has arrived (a cooperative launch keeps them
         all resident, so the spin cannot starve a program that has not started). Writes made
@@ -670,7 +765,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, STREAM_K: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -704,7 +799,23 @@ if HAVE_TRITON:
                                                  True)
         num_named = tl.max(named, 0)
         _stamp(stamps_ptr, 1, STAMPS)
-        if PHASES % 2 == 1:
+        if PHASES % 2 == 1 and STREAM_K:
+            tiles = num_named * TILES1
+            CHUNKS1: tl.constexpr = (H + BK1 - 1) // BK1
+            programs1 = grid
+            if MAX_SPLITS1 > 1:
+                # Ranges at least CHUNKS1 / (MAX_SPLITS1 - 1) steps long: at most MAX_SPLITS1
+                # segments per tile (the programs past programs1 skip phase 1).
+                MIN_STEPS: tl.constexpr = (CHUNKS1 + MAX_SPLITS1 - 2) // (MAX_SPLITS1 - 1)
+                programs1 = tl.minimum(grid, tl.maximum(tiles * CHUNKS1 // MIN_STEPS, 1))
+            if pid < programs1:
+                _persistent_gemm1_range(pid, programs1, tiles, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr,
+                                        part1_ptr, sync_ptr + 1, num_experts, H, N,
+                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
+                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
+                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
+                                        PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
+        elif PHASES % 2 == 1:
             tiles = num_named * TILES1
             splits1 = tl.minimum(tl.maximum(grid // tl.maximum(tiles, 1), 1), MAX_SPLITS1)
             units1 = tiles * splits1
@@ -922,6 +1033,7 @@ DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
+PERSISTENT_STREAM_K = True
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1120,7 +1232,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, STREAM_K=PERSISTENT_STREAM_K, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
@@ -1142,7 +1254,9 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
                              PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = pdl.zeros((1 + grid + tiles2,), torch.int32, device)
-    part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
+    # stream-K: two partial slots per program (its range's first and last segments)
+    slots = 2 * grid if PERSISTENT_STREAM_K else grid
+    part1 = torch.empty(slots, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
