@@ -424,7 +424,7 @@ if HAVE_TRITON:
     def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
                      num_experts, H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                      stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS: tl.constexpr, BM: tl.constexpr,
-                     BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                     BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_K: tl.constexpr):
         """One step of ``_gemm2_decode_kernel``'s loop: acc + w * (inter rows of named expert j)
         @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block at or past
         ``j_end`` (the end of this CTA's share, at most the named count) reads nothing and adds
@@ -443,7 +443,9 @@ if HAVE_TRITON:
         a_base = inter_ptr + rows64[:, None] * stride_im
         b_base = w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
         s_base = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
-        GROUP: tl.constexpr = _SB if FP8 else BK  # the reduction width of one dot
+        # The reduction width of one dot: a scale group (FP8), else DOT_K (16-bit; each dot is
+        # a chain of dependent tensor-core steps, and separate dots are independent chains).
+        GROUP: tl.constexpr = _SB if FP8 else (BK if BK < DOT_K else DOT_K)
         for g in tl.static_range(BK // GROUP):
             group = c * (BK // GROUP) + g
             offs_k = group * GROUP + tl.arange(0, GROUP)
@@ -469,7 +471,7 @@ if HAVE_TRITON:
         MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
         KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-        PDL: tl.constexpr,
+        DOT_K: tl.constexpr, PDL: tl.constexpr,
     ):
         """two_launch under direct addressing with split_k = 1, step 2, without atomic adds:
         the CTAs of column tile h (grid axis 0) own out[:, h-tile]. CTA (h, s) walks the s-th
@@ -500,7 +502,7 @@ if HAVE_TRITON:
                                inter_ptr, w2_ptr, out_ptr, part_ptr, count_ptr, num_tokens, num_experts, H, N,
                                stride_im, stride_we, stride_wh, stride_wk, stride_om,
                                is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
-                               MAX_BLOCKS, N_CHUNKS, SPLITS, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8)
+                               MAX_BLOCKS, N_CHUNKS, SPLITS, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8, DOT_K)
 
     @triton.jit
     def _decode_gemm2_tile(pid_h, split, splits, num_named, ids, valid, wts, named,
@@ -510,7 +512,7 @@ if HAVE_TRITON:
                            is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
                            MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr,
                            RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           PRECISION: tl.constexpr, FP8: tl.constexpr):
+                           PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_K: tl.constexpr):
         """The decode GEMM2's work for column tile ``pid_h``, share ``split`` of ``splits`` of
         the named experts (see ``_gemm2_decode_kernel``): the tile stored, or this share's
         partial stored and, by the share that arrives last, the tile summed and stored."""
@@ -523,13 +525,14 @@ if HAVE_TRITON:
             for it in range(j_begin * N_CHUNKS, j_end * N_CHUNKS):
                 acc = _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
                                    offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
-                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
+                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8,
+                                   DOT_K)
         else:
             for i in range(0, tl.cdiv(MAX_BLOCKS, SPLITS) * N_CHUNKS):
                 acc = _decode_step(acc, j_begin * N_CHUNKS + i, j_end, ids, valid, wts, named, inter_ptr, w2_ptr,
                                    is_ptr, ws_ptr, offs_h, num_experts, H, N, stride_im, stride_we, stride_wh,
                                    stride_wk, stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK,
-                                   PRECISION, FP8)
+                                   PRECISION, FP8, DOT_K)
         tok = tl.arange(0, BM).to(tl.int64)
         o_ptrs = out_ptr + tok[:, None] * stride_om + offs_h[None, :]
         o_mask = (tok < num_tokens)[:, None] & h_ok[None, :]
@@ -554,10 +557,18 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+                      DOT_K: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
-        False."""
+        False. 16-bit with DOT_K < BK: the chunk as BK / DOT_K separate dots added in order (each
+        dot is a chain of dependent tensor-core steps; separate dots are independent chains)."""
+        if not FP8 and DOT_K < BK:
+            for g in tl.static_range(BK // DOT_K):
+                acc_g, acc_u = _gate_up_dots(acc_g, acc_u, c * BK + g * DOT_K, live, x_ptr, w13_ptr, a_rows, row_ok,
+                                             expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
+                                             DOT_K, PRECISION)
+            return acc_g, acc_u
         offs_k = c * BK + tl.arange(0, BK)
         k_ok = (offs_k < H) & live
         n_ok = offs_n < N
@@ -580,13 +591,32 @@ if HAVE_TRITON:
         return acc_g, acc_u
 
     @triton.jit
+    def _gate_up_dots(acc_g, acc_u, k0, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
+                      H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
+                      K: tl.constexpr, PRECISION: tl.constexpr):
+        """(acc_g, acc_u) plus fresh gate and up dots over columns [k0, k0 + K) of the reduction
+        (16-bit; nothing is read where ``live`` is False)."""
+        offs_k = k0 + tl.arange(0, K)
+        k_ok = (offs_k < H) & live
+        n_ok = offs_n < N
+        a = tl.load(x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        g_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g += tl.dot(a, g, input_precision=PRECISION)
+        acc_u += tl.dot(a, u, input_precision=PRECISION)
+        return acc_g, acc_u
+
+    @triton.jit
     def _persistent_gemm1_unit(u, splits, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr,
                                num_experts, H: tl.constexpr, N: tl.constexpr,
                                stride_xm, stride_we, stride_wn, stride_wk, stride_im,
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, DOT_K1: tl.constexpr, stamps_ptr,
+                               STAMPS: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -609,13 +639,13 @@ if HAVE_TRITON:
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
                                              stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB)
+                                             SWAP_AB, DOT_K1)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB)
+                                             PRECISION, FP8, SWAP_AB, DOT_K1)
         _stamp(stamps_ptr, 5, STAMPS)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
@@ -640,101 +670,6 @@ if HAVE_TRITON:
                 _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                            N, BM, BN, FP8, SOFT_ROUND)
         _stamp(stamps_ptr, 6, STAMPS)
-
-    @triton.jit
-    def _range_start(p, steps, programs):
-        """Stream-K: the first of program ``p``'s steps when ``steps`` are cut into ``programs``
-        contiguous ranges whose lengths differ by at most one (program p owns
-        [start(p), start(p + 1)))."""
-        return (p.to(tl.int64) * steps // programs).to(tl.int32)
-
-    @triton.jit
-    def _range_owner(s, steps, programs):
-        """Stream-K: the program whose range holds step ``s`` (the largest p with start(p) <= s)."""
-        return (((s.to(tl.int64) + 1) * programs - 1) // steps).to(tl.int32)
-
-    @triton.jit
-    def _persistent_gemm1_range(p, programs, tiles, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr,
-                                count_ptr, num_experts, H: tl.constexpr, N: tl.constexpr,
-                                stride_xm, stride_we, stride_wn, stride_wk, stride_im,
-                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
-                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
-                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                                SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
-        """Phase 1 of ``_persistent_decode_kernel`` as stream-K: program ``p``'s contiguous range
-        of the (tile, reduction chunk) steps, tiles = (named expert j, column tile) in order, the
-        steps cut into ``programs`` ranges of equal length (to one step). Every program that
-        takes part streams the same number of w13 bytes, whatever the tiles divide into.
-
-        Each tile the range covers is a segment: a whole tile is stored as SwiGLU of its sums
-        (as GEMM1). A part of a tile stores its float32 gate and up partials in ``part[p, slot]``
-        [BM, 2 BN] (slot 0 if it is the range's first segment, else 1: a range has at most two
-        partial segments, its first and its last) and counts itself at the tile's count, indexed
-        by the tile's first owner (no two split tiles share one). The segment that arrives last
-        adds the tile's partials in owner order (a fixed order: the call is deterministic) and
-        stores the intermediate. The caller keeps each range at least CHUNKS / (MAX_SPLITS - 1)
-        steps long, so no tile has more than MAX_SPLITS segments."""
-        TILES: tl.constexpr = (N + BN - 1) // BN
-        CHUNKS: tl.constexpr = (H + BK - 1) // BK
-        steps = tiles * CHUNKS
-        begin = _range_start(p, steps, programs)
-        end = _range_start(p + 1, steps, programs)
-        s = begin
-        while s < end:
-            tile = s // CHUNKS
-            tile_step = tile * CHUNKS
-            c_begin = s - tile_step
-            c_end = tl.minimum(end - tile_step, CHUNKS)
-            j = tile // TILES
-            pid_n = tile % TILES
-            _, expert, rows, a_rows, row_ok, _ = _direct_block(j, ids, valid, wts, named, num_experts, BM)
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            if RUNTIME_TRIP:
-                for c in range(c_begin, c_end):
-                    acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert,
-                                                 offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr,
-                                                 ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION,
-                                                 FP8, SWAP_AB)
-            else:  # the interpreter: a constant trip count, chunks outside the segment masked out
-                for i in range(0, CHUNKS):
-                    acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr,
-                                                 a_rows, row_ok, expert, offs_n, H, N, stride_xm, stride_we,
-                                                 stride_wn, stride_wk, xs_ptr, ws_ptr, stride_xsm, stride_wse,
-                                                 stride_wsn, stride_wsk, BK, PRECISION, FP8, SWAP_AB)
-            _stamp(stamps_ptr, 5, STAMPS)
-            if c_begin == 0 and c_end == CHUNKS:
-                _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
-                           N, BM, BN, FP8, SOFT_ROUND)
-            else:
-                first = _range_owner(tile_step, steps, programs)
-                last = _range_owner(tile_step + CHUNKS - 1, steps, programs)
-                r = tl.arange(0, BM)[:, None] * (2 * BN) + tl.arange(0, BN)[None, :]
-                SLOT: tl.constexpr = BM * 2 * BN
-                # Only the rows of tokens that picked the expert (the others are zero sums).
-                p_ok = row_ok[:, None]
-                mine = part_ptr + (2 * p + (s != begin).to(tl.int32)) * SLOT + r
-                tl.store(mine, acc_g, mask=p_ok)
-                tl.store(mine + BN, acc_u, mask=p_ok)
-                # Every thread's partial is written before the (one-thread) release of the count.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + first, 1, sem="acq_rel", scope="gpu")
-                if arrived == last - first:
-                    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-                    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-                    for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
-                        q = first + t
-                        # q's segment of this tile is its range's first one iff q starts inside the tile
-                        slot = 2 * q + (_range_start(q, steps, programs) < tile_step).to(tl.int32)
-                        t_ok = p_ok & (q <= last)
-                        acc_g += tl.load(part_ptr + slot * SLOT + r, mask=t_ok, other=0.0, cache_modifier=".cg")
-                        acc_u += tl.load(part_ptr + slot * SLOT + r + BN, mask=t_ok, other=0.0,
-                                         cache_modifier=".cg")
-                    _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im,
-                               stride_ism, N, BM, BN, FP8, SOFT_ROUND)
-            _stamp(stamps_ptr, 6, STAMPS)
-            s = tile_step + c_end
 
     @triton.jit
     def _grid_barrier(count_ptr, num_programs):
@@ -765,7 +700,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, STREAM_K: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, DOT_K1: tl.constexpr, DOT_K2: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -799,23 +734,7 @@ if HAVE_TRITON:
                                                  True)
         num_named = tl.max(named, 0)
         _stamp(stamps_ptr, 1, STAMPS)
-        if PHASES % 2 == 1 and STREAM_K:
-            tiles = num_named * TILES1
-            CHUNKS1: tl.constexpr = (H + BK1 - 1) // BK1
-            programs1 = grid
-            if MAX_SPLITS1 > 1:
-                # Ranges at least CHUNKS1 / (MAX_SPLITS1 - 1) steps long: at most MAX_SPLITS1
-                # segments per tile (the programs past programs1 skip phase 1).
-                MIN_STEPS: tl.constexpr = (CHUNKS1 + MAX_SPLITS1 - 2) // (MAX_SPLITS1 - 1)
-                programs1 = tl.minimum(grid, tl.maximum(tiles * CHUNKS1 // MIN_STEPS, 1))
-            if pid < programs1:
-                _persistent_gemm1_range(pid, programs1, tiles, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr,
-                                        part1_ptr, sync_ptr + 1, num_experts, H, N,
-                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
-                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
-                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                        PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
-        elif PHASES % 2 == 1:
+        if PHASES % 2 == 1:
             tiles = num_named * TILES1
             splits1 = tl.minimum(tl.maximum(grid // tl.maximum(tiles, 1), 1), MAX_SPLITS1)
             units1 = tiles * splits1
@@ -826,7 +745,7 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, DOT_K1, stamps_ptr, STAMPS)
                 u += grid
         _stamp(stamps_ptr, 2, STAMPS)
         if PHASES == 3:
@@ -842,7 +761,7 @@ if HAVE_TRITON:
                                    num_experts, H, N, stride_im, stride_w2e, stride_w2h, stride_w2k, stride_om,
                                    is_ptr, w2s_ptr, stride_ism, stride_w2se, stride_w2sh, stride_w2sk,
                                    MAX_BLOCKS, (N + BK2 - 1) // BK2, SPLITS2, RUNTIME_TRIP, BM, BN2, BK2,
-                                   PRECISION, FP8)
+                                   PRECISION, FP8, DOT_K2)
                 u += grid
         _stamp(stamps_ptr, 4, STAMPS)
 
@@ -1033,7 +952,10 @@ DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
-PERSISTENT_STREAM_K = True
+# The decode GEMM2's 16-bit dots reduce over at most DECODE_DOT_K columns each (a chunk is then
+# several independent dots, added in order).
+DECODE_DOT_K = 1 << 16
+PERSISTENT_DOT_K = 1 << 16  # the same for the persistent kernel's phase 1
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1165,7 +1087,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
             MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), SPLITS=splits, RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
-            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
+            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, DOT_K=DECODE_DOT_K, **launch,
         )
         return out
     grid2 = (num_m * triton.cdiv(H, c.gemm2_bn), c.split_k)
@@ -1232,7 +1154,8 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, STREAM_K=PERSISTENT_STREAM_K, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, DOT_K1=PERSISTENT_DOT_K, DOT_K2=DECODE_DOT_K,
+                 STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
@@ -1254,9 +1177,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
                              PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = pdl.zeros((1 + grid + tiles2,), torch.int32, device)
-    # stream-K: two partial slots per program (its range's first and last segments)
-    slots = 2 * grid if PERSISTENT_STREAM_K else grid
-    part1 = torch.empty(slots, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
+    part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
