@@ -424,7 +424,7 @@ if HAVE_TRITON:
     def _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr, offs_h,
                      num_experts, H: tl.constexpr, N: tl.constexpr, stride_im, stride_we, stride_wh, stride_wk,
                      stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS: tl.constexpr, BM: tl.constexpr,
-                     BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_K: tl.constexpr):
+                     BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
         """One step of ``_gemm2_decode_kernel``'s loop: acc + w * (inter rows of named expert j)
         @ w2[e_j][h-tile, chunk c].T, for j, c = divmod(it, N_CHUNKS). A block at or past
         ``j_end`` (the end of this CTA's share, at most the named count) reads nothing and adds
@@ -443,9 +443,7 @@ if HAVE_TRITON:
         a_base = inter_ptr + rows64[:, None] * stride_im
         b_base = w2_ptr + expert.to(tl.int64) * stride_we + offs_h[None, :] * stride_wh
         s_base = ws_ptr + expert.to(tl.int64) * stride_wse + (offs_h // _SB) * stride_wsh
-        # The reduction width of one dot: a scale group (FP8), else DOT_K (16-bit; each dot is
-        # a chain of dependent tensor-core steps, and separate dots are independent chains).
-        GROUP: tl.constexpr = _SB if FP8 else (BK if BK < DOT_K else DOT_K)
+        GROUP: tl.constexpr = _SB if FP8 else BK  # the reduction width of one dot
         for g in tl.static_range(BK // GROUP):
             group = c * (BK // GROUP) + g
             offs_k = group * GROUP + tl.arange(0, GROUP)
@@ -471,7 +469,7 @@ if HAVE_TRITON:
         MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr,
         KP: tl.constexpr, BINS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-        DOT_K: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """two_launch under direct addressing with split_k = 1, step 2, without atomic adds:
         the CTAs of column tile h (grid axis 0) own out[:, h-tile]. CTA (h, s) walks the s-th
@@ -502,7 +500,7 @@ if HAVE_TRITON:
                                inter_ptr, w2_ptr, out_ptr, part_ptr, count_ptr, num_tokens, num_experts, H, N,
                                stride_im, stride_we, stride_wh, stride_wk, stride_om,
                                is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
-                               MAX_BLOCKS, N_CHUNKS, SPLITS, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8, DOT_K)
+                               MAX_BLOCKS, N_CHUNKS, SPLITS, RUNTIME_TRIP, BM, BN, BK, PRECISION, FP8)
 
     @triton.jit
     def _decode_gemm2_tile(pid_h, split, splits, num_named, ids, valid, wts, named,
@@ -512,7 +510,7 @@ if HAVE_TRITON:
                            is_ptr, ws_ptr, stride_ism, stride_wse, stride_wsh, stride_wsk,
                            MAX_BLOCKS: tl.constexpr, N_CHUNKS: tl.constexpr, SPLITS: tl.constexpr,
                            RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           PRECISION: tl.constexpr, FP8: tl.constexpr, DOT_K: tl.constexpr):
+                           PRECISION: tl.constexpr, FP8: tl.constexpr):
         """The decode GEMM2's work for column tile ``pid_h``, share ``split`` of ``splits`` of
         the named experts (see ``_gemm2_decode_kernel``): the tile stored, or this share's
         partial stored and, by the share that arrives last, the tile summed and stored."""
@@ -525,14 +523,13 @@ if HAVE_TRITON:
             for it in range(j_begin * N_CHUNKS, j_end * N_CHUNKS):
                 acc = _decode_step(acc, it, j_end, ids, valid, wts, named, inter_ptr, w2_ptr, is_ptr, ws_ptr,
                                    offs_h, num_experts, H, N, stride_im, stride_we, stride_wh, stride_wk,
-                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8,
-                                   DOT_K)
+                                   stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK, PRECISION, FP8)
         else:
             for i in range(0, tl.cdiv(MAX_BLOCKS, SPLITS) * N_CHUNKS):
                 acc = _decode_step(acc, j_begin * N_CHUNKS + i, j_end, ids, valid, wts, named, inter_ptr, w2_ptr,
                                    is_ptr, ws_ptr, offs_h, num_experts, H, N, stride_im, stride_we, stride_wh,
                                    stride_wk, stride_ism, stride_wse, stride_wsh, stride_wsk, N_CHUNKS, BM, BK,
-                                   PRECISION, FP8, DOT_K)
+                                   PRECISION, FP8)
         tok = tl.arange(0, BM).to(tl.int64)
         o_ptrs = out_ptr + tok[:, None] * stride_om + offs_h[None, :]
         o_mask = (tok < num_tokens)[:, None] & h_ok[None, :]
@@ -547,8 +544,10 @@ if HAVE_TRITON:
             arrived = tl.atomic_add(count_ptr + pid_h, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
                 total = tl.zeros((BM, BN), dtype=tl.float32)
-                for t in range(0, SPLITS):  # (a constant bound, for the interpreter)
-                    # .cg: from L2, where the other CTAs' partials are (never this SM's L1).
+                # Unrolled, so that every partial's load is issued before the first add waits (a
+                # loop waited one L2 round trip per split); .cg: from L2, where the other CTAs'
+                # partials are (never this SM's L1).
+                for t in tl.static_range(SPLITS):
                     total += tl.load(p_ptrs + t * BM * H, mask=o_mask & (t < splits), other=0.0,
                                      cache_modifier=".cg")
                 tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -557,18 +556,10 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
-                      DOT_K: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
-        False. 16-bit with DOT_K < BK: the chunk as BK / DOT_K separate dots added in order (each
-        dot is a chain of dependent tensor-core steps; separate dots are independent chains)."""
-        if not FP8 and DOT_K < BK:
-            for g in tl.static_range(BK // DOT_K):
-                acc_g, acc_u = _gate_up_dots(acc_g, acc_u, c * BK + g * DOT_K, live, x_ptr, w13_ptr, a_rows, row_ok,
-                                             expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
-                                             DOT_K, PRECISION)
-            return acc_g, acc_u
+        False."""
         offs_k = c * BK + tl.arange(0, BK)
         k_ok = (offs_k < H) & live
         n_ok = offs_n < N
@@ -591,32 +582,13 @@ if HAVE_TRITON:
         return acc_g, acc_u
 
     @triton.jit
-    def _gate_up_dots(acc_g, acc_u, k0, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
-                      H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
-                      K: tl.constexpr, PRECISION: tl.constexpr):
-        """(acc_g, acc_u) plus fresh gate and up dots over columns [k0, k0 + K) of the reduction
-        (16-bit; nothing is read where ``live`` is False)."""
-        offs_k = k0 + tl.arange(0, K)
-        k_ok = (offs_k < H) & live
-        n_ok = offs_n < N
-        a = tl.load(x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        g_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g += tl.dot(a, g, input_precision=PRECISION)
-        acc_u += tl.dot(a, u, input_precision=PRECISION)
-        return acc_g, acc_u
-
-    @triton.jit
     def _persistent_gemm1_unit(u, splits, ids, valid, wts, named, x_ptr, w13_ptr, inter_ptr, part_ptr, count_ptr,
                                num_experts, H: tl.constexpr, N: tl.constexpr,
                                stride_xm, stride_we, stride_wn, stride_wk, stride_im,
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, DOT_K1: tl.constexpr, stamps_ptr,
-                               STAMPS: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -639,13 +611,13 @@ if HAVE_TRITON:
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
                                              stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB, DOT_K1)
+                                             SWAP_AB)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB, DOT_K1)
+                                             PRECISION, FP8, SWAP_AB)
         _stamp(stamps_ptr, 5, STAMPS)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
@@ -663,7 +635,9 @@ if HAVE_TRITON:
             if arrived == splits - 1:
                 acc_g = tl.zeros((BM, BN), dtype=tl.float32)
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-                for t in range(0, MAX_SPLITS):  # (a constant bound, for the interpreter)
+                # Unrolled: every share's loads issued before the first add waits (a loop waited one
+                # L2 round trip per share: 2.5-6 µs for the last share of an FP8 tile on an H200).
+                for t in tl.static_range(MAX_SPLITS):
                     t_ok = p_ok & (t < splits)
                     acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
@@ -700,7 +674,7 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, DOT_K1: tl.constexpr, DOT_K2: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -745,7 +719,7 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, DOT_K1, stamps_ptr, STAMPS)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
                 u += grid
         _stamp(stamps_ptr, 2, STAMPS)
         if PHASES == 3:
@@ -761,7 +735,7 @@ if HAVE_TRITON:
                                    num_experts, H, N, stride_im, stride_w2e, stride_w2h, stride_w2k, stride_om,
                                    is_ptr, w2s_ptr, stride_ism, stride_w2se, stride_w2sh, stride_w2sk,
                                    MAX_BLOCKS, (N + BK2 - 1) // BK2, SPLITS2, RUNTIME_TRIP, BM, BN2, BK2,
-                                   PRECISION, FP8, DOT_K2)
+                                   PRECISION, FP8)
                 u += grid
         _stamp(stamps_ptr, 4, STAMPS)
 
@@ -952,10 +926,6 @@ DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
-# The decode GEMM2's 16-bit dots reduce over at most DECODE_DOT_K columns each (a chunk is then
-# several independent dots, added in order).
-DECODE_DOT_K = 1 << 16
-PERSISTENT_DOT_K = 1 << 16  # the same for the persistent kernel's phase 1
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1087,7 +1057,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
             MAX_BLOCKS=num_m, N_CHUNKS=triton.cdiv(N, bk2), SPLITS=splits, RUNTIME_TRIP=not _interpreting(),
             KP=addr_const["KP"], BINS=addr_const["BINS"],
-            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, DOT_K=DECODE_DOT_K, **launch,
+            BM=c.bm, BN=bn2, BK=bk2, PRECISION=prec, FP8=fp8, **launch,
         )
         return out
     grid2 = (num_m * triton.cdiv(H, c.gemm2_bn), c.split_k)
@@ -1154,8 +1124,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, DOT_K1=PERSISTENT_DOT_K, DOT_K2=DECODE_DOT_K,
-                 STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
