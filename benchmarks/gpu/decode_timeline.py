@@ -110,7 +110,7 @@ def timeline(run, flusher, stamps: torch.Tensor, replays: int) -> dict:
     with torch.cuda.graph(graph):
         run()
     keys = ("last_start", "routing_p50", "phase1_p50", "phase1_last", "barrier_first", "barrier_last", "end_last",
-            "epilogue_p50", "epilogue_max")
+            "epilogue_p50", "epilogue_max", "summing_max", "after_sum_max")
     samples = {k: [] for k in keys}
     programs = 0
     for _ in range(replays):
@@ -119,7 +119,7 @@ def timeline(run, flusher, stamps: torch.Tensor, replays: int) -> dict:
         graph.replay()
         torch.cuda.synchronize()
         t = stamps.view(-1, 8)
-        t = t[t[:, 0] > 0, :7].double()
+        t = t[t[:, 0] > 0].double()
         programs = t.shape[0]
         rel = (t - t[:, 0].min()) / 1e3
         samples["last_start"].append(rel[:, 0].max().item())
@@ -133,11 +133,17 @@ def timeline(run, flusher, stamps: torch.Tensor, replays: int) -> dict:
         epilogue = (t[worked, 6] - t[worked, 5]) / 1e3
         samples["epilogue_p50"].append(epilogue.median().item() if worked.any() else 0.0)
         samples["epilogue_max"].append(epilogue.max().item() if worked.any() else 0.0)
+        # The shares that summed a split tile: loop end -> partials summed, and summed -> epilogue end.
+        summed = worked & (t[:, 7] > 0)
+        samples["summing_max"].append(((t[summed, 7] - t[summed, 5]) / 1e3).max().item() if summed.any() else 0.0)
+        samples["after_sum_max"].append(((t[summed, 6] - t[summed, 7]) / 1e3).max().item() if summed.any() else 0.0)
     out = {k: round(statistics.median(v), 2) for k, v in samples.items()}
     out["programs"] = programs
-    # The last replay, per program: stamps 0-6 in µs from the first start (5, 6: None without a unit).
-    out["raw"] = [[round(v, 2) for v in row[:5]] + ([round(v, 2) for v in row[5:]] if ok else [None, None])
-                  for row, ok in zip(rel.tolist(), worked.tolist())]
+    # The last replay, per program: stamps 0-7 in µs from the first start (5-7: None without a unit,
+    # 7: None unless the program summed a split tile).
+    out["raw"] = [[round(v, 2) for v in row[:5]] + ([round(v, 2) for v in row[5:7]] if ok else [None, None])
+                  + [round(row[7], 2) if ok and s7 > 0 else None]
+                  for row, ok, s7 in zip(rel.tolist(), worked.tolist(), t[:, 7].tolist())]
     return out
 
 

@@ -262,7 +262,8 @@ def test_persistent_stamps_change_nothing(monkeypatch, tokens):
     """The probes' timestamps (``PERSISTENT_STAMPS``): with them the persistent decode kernel gives
     the same bits, and each program's stamps are in the order of its phases (start <= routing
     done <= phase 1 done <= barrier left <= end; a program's last phase-1 unit between routing
-    and phase 1 done), with every program past the barrier after the last one reached it."""
+    and phase 1 done; a summing share's sum between the two), with every program past the barrier
+    after the last one reached it."""
     import importlib
 
     fm = importlib.import_module("moekit.kernels.fused_moe")
@@ -285,3 +286,5 @@ def test_persistent_stamps_change_nothing(monkeypatch, tokens):
     unit = t[:, 5] > 0
     assert unit.any()
     assert ((t[unit, 5] >= t[unit, 1]) & (t[unit, 5] <= t[unit, 6]) & (t[unit, 6] <= t[unit, 2])).all()
+    summed = t[:, 7] > 0  # the shares that summed a split tile: between their loop's end and epilogue's
+    assert ((t[summed, 7] >= t[summed, 5]) & (t[summed, 7] <= t[summed, 6])).all()

@@ -641,6 +641,7 @@ if HAVE_TRITON:
                     t_ok = p_ok & (t < splits)
                     acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
+                _stamp(stamps_ptr, 7, STAMPS)
                 _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
                            N, BM, BN, FP8, SOFT_ROUND)
         _stamp(stamps_ptr, 6, STAMPS)
@@ -696,8 +697,9 @@ if HAVE_TRITON:
         as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
         PDL: waits for the zeroing of ``sync`` (``pdl``). STAMPS (probes only): each program
         writes the global timer to ``stamps[pid, 0..4]`` as it starts, after the routing, after
-        phase 1, after the barrier and at its end, and to ``stamps[pid, 5..6]`` as its last phase-1
-        unit ends its reduction loop and its epilogue."""
+        phase 1, after the barrier and at its end, and to ``stamps[pid, 5..7]`` as its last phase-1
+        unit ends its reduction loop and its epilogue and (the share that sums a split tile) has
+        summed the partials."""
         pdl_prologue(PDL, False)
         _stamp(stamps_ptr, 0, STAMPS)
         pid = tl.program_id(0)
