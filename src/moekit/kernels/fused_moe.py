@@ -588,7 +588,8 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr,
+                               FIX_BLOCKS: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -632,18 +633,37 @@ if HAVE_TRITON:
             # Every thread's partial is written before the (one-thread) release of the count.
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:
-                acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-                # Unrolled: every share's loads issued before the first add waits (a loop waited one
-                # L2 round trip per share: 2.5-6 µs for the last share of an FP8 tile on an H200).
+            FIX_ROWS: tl.constexpr = BM // FIX_BLOCKS
+            if SHARED_FIXUP:
+                # Every share waits for the others (all resident: with splits > 1 each program has
+                # one phase-1 unit), then sums and stores row blocks share, share + splits, ...
+                seen = arrived + 1
+                while seen < splits:
+                    seen = tl.atomic_add(count_ptr + tile, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+                b = share
+                step = splits
+            else:  # the share that arrives last does every row block
+                b = tl.where(arrived == splits - 1, 0, FIX_BLOCKS)
+                step = 1
+            ok_blocks = tl.reshape(row_ok.to(tl.int32), (FIX_BLOCKS, FIX_ROWS))
+            while b < FIX_BLOCKS:
+                # Row block b of the tile: its rows' validity picked out of row_ok (no slicing in Triton)
+                ok_b = tl.sum(tl.where(tl.arange(0, FIX_BLOCKS)[:, None] == b, ok_blocks, 0), 0) > 0
+                rows_b = b * FIX_ROWS + tl.arange(0, FIX_ROWS)
+                b_ptrs = (part_ptr + tile * splits * (BM * 2 * BN) + rows_b[:, None] * (2 * BN)
+                          + tl.arange(0, BN)[None, :])
+                g_sum = tl.zeros((FIX_ROWS, BN), dtype=tl.float32)
+                u_sum = tl.zeros((FIX_ROWS, BN), dtype=tl.float32)
+                # Unrolled: every share's loads are issued before the first add waits.
                 for t in tl.static_range(MAX_SPLITS):
-                    t_ok = p_ok & (t < splits)
-                    acc_g += tl.load(p_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
-                    acc_u += tl.load(p_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
+                    t_ok = ok_b[:, None] & (t < splits)
+                    g_sum += tl.load(b_ptrs + t * (BM * 2 * BN), mask=t_ok, other=0.0, cache_modifier=".cg")
+                    u_sum += tl.load(b_ptrs + t * (BM * 2 * BN) + BN, mask=t_ok, other=0.0, cache_modifier=".cg")
                 _stamp(stamps_ptr, 7, STAMPS)
-                _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
-                           N, BM, BN, FP8, SOFT_ROUND)
+                _store_act(inter_ptr, is_ptr, j * BM + rows_b, pid_n, g_sum * tl.sigmoid(g_sum) * u_sum, stride_im,
+                           stride_ism, N, FIX_ROWS, BN, FP8, SOFT_ROUND)
+                b += step
         _stamp(stamps_ptr, 6, STAMPS)
 
     @triton.jit
@@ -675,7 +695,8 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr, STAMPS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -721,7 +742,8 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, stamps_ptr, STAMPS)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, SHARED_FIXUP, FIX_BLOCKS, stamps_ptr,
+                                       STAMPS)
                 u += grid
         _stamp(stamps_ptr, 2, STAMPS)
         if PHASES == 3:
@@ -928,6 +950,8 @@ DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
+PERSISTENT_SHARED_FIXUP = True
+PERSISTENT_FIX_BLOCKS = 4
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1126,7 +1150,8 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, SHARED_FIXUP=PERSISTENT_SHARED_FIXUP and not interp,
+                 FIX_BLOCKS=min(PERSISTENT_FIX_BLOCKS, c.bm), STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
