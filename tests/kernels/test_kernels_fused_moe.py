@@ -243,6 +243,34 @@ def test_persistent_decode_grids(monkeypatch, cfg, grid):
         _check(x, w, ids, tw, cfg, dtype, alignment="direct")
 
 
+def test_fixup_plan():
+    """FP8 split tiles: every share sums its row blocks on the GPU, the last share all of them in
+    the interpreter; 16-bit tiles: the last share, the whole tile; never more blocks than rows."""
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    assert module._fixup_plan(True, 16, interp=False) == (True, 4)
+    assert module._fixup_plan(True, 16, interp=True) == (False, 4)
+    assert module._fixup_plan(False, 16, interp=False) == (False, 1)
+    assert module._fixup_plan(True, 2, interp=False) == (True, 2)
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_persistent_split_tiles_summed_in_row_blocks(monkeypatch, blocks):
+    """The split phase-1 tiles summed and stored in row blocks (as FP8 tiles are on the GPU; here the
+    last share does every block, fp16 / fp32 in the interpreter) match the reference and, bit for
+    bit, the whole tile summed at once."""
+    module = importlib.import_module("moekit.kernels.fused_moe")
+    monkeypatch.setattr(module, "DECODE_PERSISTENT", True)
+    monkeypatch.setattr(module, "INTERPRET_GRID", 40)  # more programs than tiles: split reductions
+    x, w, ids, tw = _case(9, seed=23, zipf=1.3)
+    ids[2, 0] = -1
+    cfg = KernelConfig(bm=16, bn=16, bk=16, form="two_launch")
+    for dtype in (torch.float16, torch.float32):
+        whole = _check(x, w, ids, tw, cfg, dtype, alignment="direct")
+        with monkeypatch.context() as m:
+            m.setattr(module, "_fixup_plan", lambda fp8, bm, interp: (False, blocks))
+            assert torch.equal(_check(x, w, ids, tw, cfg, dtype, alignment="direct"), whole)
+
+
 def test_resident_grid_key_tells_binaries_apart():
     """The persistent grids are cached per binary: a size passed as an argument (H, N are
     constexprs passed positionally), an integer's value and a pointer's 16-byte alignment

@@ -593,8 +593,11 @@ if HAVE_TRITON:
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
-        its float32 gate and up partials in ``part[u]`` [BM, 2 BN]; the share that arrives last
-        at the tile's count adds the tile's partials in share order and stores the intermediate."""
+        its float32 gate and up partials in ``part[u]`` [BM, 2 BN] and counts itself at the tile's
+        count; the tile's partials are then added in share order and stored as the intermediate in
+        FIX_BLOCKS row blocks: SHARED_FIXUP, by every share (its blocks share, share + splits, ...)
+        once all have arrived; else by the share that arrives last (see PERSISTENT_SHARED_FIXUP).
+        Either way each element is the same sum, bit for bit."""
         TILES: tl.constexpr = (N + BN - 1) // BN
         CHUNKS: tl.constexpr = (H + BK - 1) // BK
         tile = u // splits
@@ -950,6 +953,12 @@ DECODE_W2_CHUNK_BYTES_FP8 = 32 * 1024
 DECODE_PERSISTENT = True
 PERSISTENT_CTAS_PER_SM = 2
 PERSISTENT_MAX_SPLITS = 8
+# A phase-1 tile split into shares is summed, SwiGLU'd and stored in PERSISTENT_FIX_BLOCKS row
+# blocks. FP8 (PERSISTENT_SHARED_FIXUP): every share waits until all have stored their partials and
+# does its blocks, where the last share to arrive used to do the whole tile alone, its re-quantizing
+# epilogue the end of phase 1 (on an H200: qwen3-30b-a3b M = 16 beta = 0.25, 33.3 -> 28.2 µs;
+# deepseek-v3-ep32 37.0 -> 31.9). 16-bit tiles keep the last share summing the whole tile (the
+# shared version was 0.3-0.5 µs slower there). benchmarks/results/h200-decode-timeline, 4f5d68e.
 PERSISTENT_SHARED_FIXUP = True
 PERSISTENT_FIX_BLOCKS = 4
 INTERPRET_GRID = 5
@@ -1131,6 +1140,15 @@ def resident_grid(kernel, args: tuple, const: dict, cap: int) -> int:
     return grid
 
 
+def _fixup_plan(fp8: bool, bm: int, interp: bool) -> tuple[bool, int]:
+    """(every share sums its row blocks, row blocks) for a split phase-1 tile of the persistent
+    decode kernel (see PERSISTENT_SHARED_FIXUP). The interpreter runs programs one after another, so
+    a share there cannot wait for the others: the last one sums every block."""
+    if not fp8:
+        return False, 1
+    return PERSISTENT_SHARED_FIXUP and not interp, min(PERSISTENT_FIX_BLOCKS, bm)
+
+
 def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
                     soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
     """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
@@ -1147,11 +1165,11 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     interp = _interpreting()
     on = pdl.pdl_on(device)
     # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
+    shared_fixup, fix_blocks = _fixup_plan(fp8, c.bm, interp)
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, SHARED_FIXUP=PERSISTENT_SHARED_FIXUP and not interp,
-                 FIX_BLOCKS=min(PERSISTENT_FIX_BLOCKS, c.bm), STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, SHARED_FIXUP=shared_fixup, FIX_BLOCKS=fix_blocks, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
