@@ -956,9 +956,10 @@ PERSISTENT_MAX_SPLITS = 8
 # A phase-1 tile split into shares is summed, SwiGLU'd and stored in PERSISTENT_FIX_BLOCKS row
 # blocks. FP8 (PERSISTENT_SHARED_FIXUP): every share waits until all have stored their partials and
 # does its blocks, where the last share to arrive used to do the whole tile alone, its re-quantizing
-# epilogue the end of phase 1 (on an H200: qwen3-30b-a3b M = 16 beta = 0.25, 33.3 -> 28.2 µs;
-# deepseek-v3-ep32 37.0 -> 31.9). 16-bit tiles keep the last share summing the whole tile (the
-# shared version was 0.3-0.5 µs slower there). benchmarks/results/h200-decode-timeline, 4f5d68e.
+# epilogue the end of phase 1 (on an H200, best FP8 config: qwen3-30b-a3b M = 16 beta = 0.25,
+# 31.3 -> 28.2 µs; deepseek-v3-ep32 37.0 -> 31.9). 16-bit tiles keep the last share summing the
+# whole tile (the shared version was 0.3-0.5 µs slower there). benchmarks/results/h200-decode-timeline,
+# 4f5d68e.
 PERSISTENT_SHARED_FIXUP = True
 PERSISTENT_FIX_BLOCKS = 4
 INTERPRET_GRID = 5
