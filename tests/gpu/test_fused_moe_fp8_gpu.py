@@ -62,6 +62,9 @@ def _shard(configs):
 
 SPACE = config_space(SHAPE, "cuda", dtype=FP8)
 CONFIGS = _shard(SPACE)
+# The tests that do not walk the configs run in one shard (the first), not in all of them.
+# (A one-item list keeps its item in the first shard only.)
+FIRST_SHARD = pytest.mark.skipif(not _shard(["first"]), reason="runs in the first shard of MOEKIT_GPU_SHARD only")
 # One config per (form, bm, bn) for the expert-major entry point.
 _FIRST = {}
 for _c in SPACE:
@@ -186,6 +189,7 @@ def test_expert_major(weights, cfg, prequantized):
             _record(f"expert_major/{tag}", f"{_cid(cfg)}/e{e}", _errors(y[e, :n], plain, emu))
 
 
+@FIRST_SHARD
 @pytest.mark.parametrize("form", ["two_launch", "two_launch_sk1", "fused"])
 @pytest.mark.parametrize("case", ["uniform", "m12"], ids=["sorted", "direct"])  # bm = 16: alignment "auto"
 def test_cuda_graph_replay_with_new_routing(weights, cases, form, case):
@@ -216,6 +220,7 @@ def test_cuda_graph_replay_with_new_routing(weights, cases, form, case):
     _record(f"cuda_graph/{form}/{case}", "replay", _errors(y_graph, *weights.references(xd, new_ids, new_tw)))
 
 
+@FIRST_SHARD
 @pytest.mark.parametrize("case", ["m1", "m12"])
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
 def test_persistent_split_tiles_shared_fixup(monkeypatch, weights, cases, case, swap_ab):
@@ -245,6 +250,46 @@ def test_persistent_split_tiles_shared_fixup(monkeypatch, weights, cases, case, 
         tw_buf.copy_(new_tw)
         graph.replay()
         assert torch.equal(y_graph, run(new_ids.cuda(), new_tw.cuda())), seed
+
+
+@FIRST_SHARD
+@pytest.mark.parametrize("case", ["m1", "m12"])
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
+def test_persistent_kernel_quantizes_x(monkeypatch, weights, cases, case, swap_ab):
+    """The persistent decode kernel quantizing bf16 x as it reads it (the default; no quantization
+    launch): bit for bit the call with x quantized by its own launch and the call handed
+    quantize_groups' e4m3 x and scales; and 20 CUDA-graph replays, each with new x and routing,
+    bitwise equal to eager calls with the launch."""
+    import importlib
+
+    fm = importlib.import_module("moekit.kernels.fused_moe")
+    x, ids, tw, plain, emu = cases[case]
+    cfg = KernelConfig(bm=16, bn=128, bk=128, num_stages=3, split_k=1, form="two_launch", swap_ab=swap_ab)
+    run = lambda xx=x, i=ids, w=tw: fused_moe(xx, *weights.cuda, i, w, cfg, **weights.scales)  # noqa: E731
+    with monkeypatch.context() as m:
+        m.setattr(fm, "quantize_groups_triton", lambda *a: pytest.fail("x quantized by its own launch"))
+        inside = run()
+    _record(f"fused_moe/quant-in-kernel/{case}", f"{_cid(cfg)}", _errors(inside, plain, emu))
+    xq, xs = quantize_groups(x.cpu(), 128)
+    assert torch.equal(inside, fused_moe(xq.cuda(), *weights.cuda, ids, tw, cfg, **weights.scales,
+                                         x_scale=xs.cuda()))
+    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", False)
+    assert torch.equal(inside, run())
+    bufs = [t.clone() for t in (x, ids, tw)]
+    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", True)
+    run(*bufs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = run(*bufs)
+    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", False)
+    g = torch.Generator().manual_seed(5)
+    for seed in range(20):
+        new_x = _spread(torch.randn(x.shape, generator=g, dtype=torch.float64), g, blocks=False).bfloat16()
+        new_ids, new_tw = synthetic_routing(x.shape[0], SHAPE.num_experts, SHAPE.top_k, zipf=1.2, seed=200 + seed)
+        for buf, new in zip(bufs, (new_x, new_ids, new_tw)):
+            buf.copy_(new)
+        graph.replay()
+        assert torch.equal(y_graph, run(new_x.cuda(), new_ids.cuda(), new_tw.cuda())), seed
 
 
 def test_zz_summary():
