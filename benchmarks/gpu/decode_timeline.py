@@ -42,15 +42,14 @@ BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
 # polling with an acquire load, 1/3/4 CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step,
 # PERSISTENT_MAX_SPLITS = 4, the wider GEMM2 chunk for bf16, the FP8 chunk as before 2026-11-24,
 # phase 1 as stream-K, the 16-bit decode dots cut into shorter independent chains, the shared
-# fix-up for 16-bit tiles and with 8 row blocks. ``sepq``: FP8 with x quantized by its own launch
-# before the kernel (as before PERSISTENT_QUANT_X). To compare two versions of the kernels, run
-# this probe once per version (PYTHONPATH) in one device call.
-SETTINGS = {"base": {}, "last": {"PERSISTENT_SHARED_FIXUP": False}, "sepq": {"PERSISTENT_QUANT_X": False}}
+# fix-up for 16-bit tiles and with 8 row blocks. To compare two versions of the kernels, run this
+# probe once per version (PYTHONPATH) in one device call.
+SETTINGS = {"base": {}, "last": {"PERSISTENT_SHARED_FIXUP": False}}
 # (label, precision, config, setting)
 CASES = [("bf16", "bf16", BF16_CONFIG, "base")]
-CASES += [(f"fp8 s{s}{'-x' if x else ''}{' sepq' if st == 'sepq' else ''}", "fp8",
-           f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", st)
-          for s, x in ((2, False), (3, False), (2, True), (3, True)) for st in ("base", "sepq")]
+CASES += [(f"fp8 s{s}{'-x' if x else ''}", "fp8", f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", "base")
+          for s, x in ((2, False), (3, False), (2, True), (3, True))]
+CASES += [("fp8 s3-x last", "fp8", "T-bm16-bn128-bk128-w4-s3-g1-k1-x", "last")]
 STAMP_ROWS = 8 * 1024  # programs the stamp buffer has room for
 
 

@@ -252,46 +252,6 @@ def test_persistent_split_tiles_shared_fixup(monkeypatch, weights, cases, case, 
         assert torch.equal(y_graph, run(new_ids.cuda(), new_tw.cuda())), seed
 
 
-@FIRST_SHARD
-@pytest.mark.parametrize("case", ["m1", "m12"])
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
-def test_persistent_kernel_quantizes_x(monkeypatch, weights, cases, case, swap_ab):
-    """The persistent decode kernel quantizing bf16 x as it reads it (the default; no quantization
-    launch): bit for bit the call with x quantized by its own launch and the call handed
-    quantize_groups' e4m3 x and scales; and 20 CUDA-graph replays, each with new x and routing,
-    bitwise equal to eager calls with the launch."""
-    import importlib
-
-    fm = importlib.import_module("moekit.kernels.fused_moe")
-    x, ids, tw, plain, emu = cases[case]
-    cfg = KernelConfig(bm=16, bn=128, bk=128, num_stages=3, split_k=1, form="two_launch", swap_ab=swap_ab)
-    run = lambda xx=x, i=ids, w=tw: fused_moe(xx, *weights.cuda, i, w, cfg, **weights.scales)  # noqa: E731
-    with monkeypatch.context() as m:
-        m.setattr(fm, "quantize_groups_triton", lambda *a: pytest.fail("x quantized by its own launch"))
-        inside = run()
-    _record(f"fused_moe/quant-in-kernel/{case}", f"{_cid(cfg)}", _errors(inside, plain, emu))
-    xq, xs = quantize_groups(x.cpu(), 128)
-    assert torch.equal(inside, fused_moe(xq.cuda(), *weights.cuda, ids, tw, cfg, **weights.scales,
-                                         x_scale=xs.cuda()))
-    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", False)
-    assert torch.equal(inside, run())
-    bufs = [t.clone() for t in (x, ids, tw)]
-    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", True)
-    run(*bufs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = run(*bufs)
-    monkeypatch.setattr(fm, "PERSISTENT_QUANT_X", False)
-    g = torch.Generator().manual_seed(5)
-    for seed in range(20):
-        new_x = _spread(torch.randn(x.shape, generator=g, dtype=torch.float64), g, blocks=False).bfloat16()
-        new_ids, new_tw = synthetic_routing(x.shape[0], SHAPE.num_experts, SHAPE.top_k, zipf=1.2, seed=200 + seed)
-        for buf, new in zip(bufs, (new_x, new_ids, new_tw)):
-            buf.copy_(new)
-        graph.replay()
-        assert torch.equal(y_graph, run(new_x.cuda(), new_ids.cuda(), new_tw.cuda())), seed
-
-
 def test_zz_summary():
     """Print the worst case of each group (this test runs last in the file)."""
     stamp = time.strftime("%H:%M:%S")

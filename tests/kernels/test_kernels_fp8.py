@@ -306,34 +306,6 @@ def test_decode_gemm2_wide_chunks_are_bitwise_one_group_chunks(case, swap, monke
     assert calc_diff(wide.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX
 
 
-@pytest.mark.parametrize("grid", [5, 40], ids=["grid5", "grid40-split"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_persistent_kernel_quantizes_x_as_the_quant_launch(case, dtype, grid, monkeypatch):
-    """FP8 weights, a 16/32-bit x, the persistent decode schedule: the kernel quantizes x as it
-    reads it (no quantization launch: the launch is replaced by one that fails). The result is,
-    bit for bit, the call with x quantized by its own launch and, for bf16, the call handed
-    quantize_groups' e4m3 x and scales; skewed routing, a -1 slot, a token naming one expert
-    twice; 40 programs split the phase-1 tiles into shares."""
-    fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
-    monkeypatch.setattr(fm_module, "DECODE_PERSISTENT", True)
-    monkeypatch.setattr(fm_module, "INTERPRET_GRID", grid)
-    x = case.tokens(6).to(dtype)
-    ids, tw = synthetic_routing(6, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=31)
-    ids[2, 1] = -1
-    ids[4, 1] = ids[4, 0]
-    args = (case.w13.to(DEVICE), case.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), FORMS["two_launch_sk1"])
-    with monkeypatch.context() as m:
-        m.setattr(fm_module, "quantize_groups_triton", lambda *a: pytest.fail("x quantized by its own launch"))
-        inside = fused_moe(x.to(DEVICE), *args, **case.weight_kwargs())
-    monkeypatch.setattr(fm_module, "PERSISTENT_QUANT_X", False)
-    assert torch.equal(inside, fused_moe(x.to(DEVICE), *args, **case.weight_kwargs()))
-    xq, xs = quantize_groups(x, 128)
-    if dtype == torch.bfloat16:  # (handed e4m3 x, the call returns bf16)
-        assert torch.equal(inside, fused_moe(xq.to(DEVICE), *args, **case.weight_kwargs(), x_scale=xs.to(DEVICE)))
-    xd = dequantize_groups(xq, xs, dtype=torch.float64)
-    assert calc_diff(inside.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX
-
-
 def test_default_config(case):
     x = case.tokens(6)
     ids, tw = synthetic_routing(6, SHAPE.num_experts, SHAPE.top_k, seed=8)

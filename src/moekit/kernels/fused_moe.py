@@ -47,9 +47,7 @@ kernel.
 FP8 W8A8 with block scales (DeepSeek-V3's scheme; ``FP8=True`` in the kernels). Weights are
 ``float8_e4m3fn`` with one float32 scale per [128, 128] block (``moekit.fp8.quantize_blocks``);
 activations are e4m3 with one scale per token per 128 columns (``quantize_groups``), made by
-``quant.quantize_groups_triton`` from bf16/fp16/fp32 inputs or handed over already quantized
-(the persistent decode kernel quantizes a bf16/fp16/fp32 x itself as it reads it,
-``PERSISTENT_QUANT_X``: the same bits, one launch less).
+``quant.quantize_groups_triton`` from bf16/fp16/fp32 inputs or handed over already quantized.
 Every reduction chunk is exactly one scale block (bk = 128), so each chunk's fp8 x fp8 dot
 (float32 result) is multiplied by ``a_scale[row, chunk] * w_scale[col block, chunk]`` before
 it is added to the float32 accumulator (the decode GEMM2 loads several blocks per step and
@@ -558,12 +556,10 @@ if HAVE_TRITON:
     def _gate_up_step(acc_g, acc_u, c, live, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                       H: tl.constexpr, N: tl.constexpr, stride_xm, stride_we, stride_wn, stride_wk,
                       xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk,
-                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr,
-                      QUANT_X: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                      BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SWAP_AB: tl.constexpr):
         """(acc_g, acc_u) plus reduction chunk ``c`` of the gate and up dot products (as
         ``_swiglu_tile``'s loop body, addressed from ``c``); nothing is read where ``live`` is
-        False. QUANT_X (FP8 only): x is 16/32-bit and the chunk's rows are quantized here (see
-        PERSISTENT_QUANT_X); xs is not read."""
+        False."""
         offs_k = c * BK + tl.arange(0, BK)
         k_ok = (offs_k < H) & live
         n_ok = offs_n < N
@@ -575,13 +571,7 @@ if HAVE_TRITON:
         u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             ws_base = ws_ptr + expert.to(tl.int64) * stride_wse + c * stride_wsk
-            if QUANT_X:
-                # The chunk is one 128-column group of each row: quantized by the helper that
-                # quantize_groups_triton uses, so the same e4m3 values and scales, bit for bit.
-                # (Rows that are masked out are zeros: q = 0, and they are never stored.)
-                a, a_s = _quantize_tile(a.to(tl.float32), SOFT_ROUND)
-            else:
-                a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
+            a_s = tl.load(xs_ptr + a_rows * stride_xsm + c, mask=row_ok & live, other=0.0)
             g_s = tl.load(ws_base + (offs_n // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             u_s = tl.load(ws_base + ((N + offs_n) // _SB) * stride_wsn, mask=n_ok & live, other=0.0)
             acc_g += _fp8_dot(a, g, SWAP_AB) * (a_s[:, None] * g_s[None, :])
@@ -598,9 +588,8 @@ if HAVE_TRITON:
                                xs_ptr, ws_ptr, is_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, stride_ism,
                                MAX_SPLITS: tl.constexpr, RUNTIME_TRIP: tl.constexpr, BM: tl.constexpr,
                                BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr,
-                               SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr, stamps_ptr,
-                               STAMPS: tl.constexpr):
+                               SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr,
+                               FIX_BLOCKS: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr):
         """Phase 1 of ``_persistent_decode_kernel``, work unit ``u``: share ``u % splits`` of the
         reduction chunks of (named expert j, column tile t) = divmod(u // splits, N tiles).
         Unsplit, it stores SwiGLU of its sums as the intermediate (as GEMM1). Split, it stores
@@ -626,13 +615,13 @@ if HAVE_TRITON:
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, True, x_ptr, w13_ptr, a_rows, row_ok, expert, offs_n,
                                              H, N, stride_xm, stride_we, stride_wn, stride_wk, xs_ptr, ws_ptr,
                                              stride_xsm, stride_wse, stride_wsn, stride_wsk, BK, PRECISION, FP8,
-                                             SWAP_AB, QUANT_X, SOFT_ROUND)
+                                             SWAP_AB)
         else:  # the interpreter: a constant trip count, chunks outside the share masked out
             for i in range(0, CHUNKS):
                 acc_g, acc_u = _gate_up_step(acc_g, acc_u, c_begin + i, c_begin + i < c_end, x_ptr, w13_ptr, a_rows,
                                              row_ok, expert, offs_n, H, N, stride_xm, stride_we, stride_wn, stride_wk,
                                              xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, stride_wsk, BK,
-                                             PRECISION, FP8, SWAP_AB, QUANT_X, SOFT_ROUND)
+                                             PRECISION, FP8, SWAP_AB)
         _stamp(stamps_ptr, 5, STAMPS)
         if splits == 1:
             _store_act(inter_ptr, is_ptr, rows, pid_n, acc_g * tl.sigmoid(acc_g) * acc_u, stride_im, stride_ism,
@@ -709,8 +698,8 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, QUANT_X: tl.constexpr, SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr,
-        STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr, STAMPS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -730,8 +719,6 @@ if HAVE_TRITON:
         RUNTIME_TRIP: the reduction loops run to run-time bounds (GPU); the interpreter walks
         every chunk, masking the ones outside the unit's share. SWAP_AB: phase 1's FP8 dots
         as ``_fp8_dot`` (phase 2's column tiles are too narrow for the warpgroup MMA's 64 rows).
-        QUANT_X: FP8 weights and 16/32-bit x, quantized per 128-column group as phase 1 reads it
-        (``PERSISTENT_QUANT_X``; xs is then not read).
         PDL: waits for the zeroing of ``sync`` (``pdl``). STAMPS (probes only): each program
         writes the global timer to ``stamps[pid, 0..4]`` as it starts, after the routing, after
         phase 1, after the barrier and at its end, and to ``stamps[pid, 5..7]`` as its last phase-1
@@ -758,8 +745,8 @@ if HAVE_TRITON:
                                        stride_xm, stride_w13e, stride_w13n, stride_w13k, stride_im,
                                        xs_ptr, w13s_ptr, is_ptr, stride_xsm, stride_w13se, stride_w13sn,
                                        stride_w13sk, stride_ism, MAX_SPLITS1, RUNTIME_TRIP, BM, BN1, BK1,
-                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, QUANT_X, SHARED_FIXUP, FIX_BLOCKS,
-                                       stamps_ptr, STAMPS)
+                                       PRECISION, FP8, SOFT_ROUND, SWAP_AB, SHARED_FIXUP, FIX_BLOCKS, stamps_ptr,
+                                       STAMPS)
                 u += grid
         _stamp(stamps_ptr, 2, STAMPS)
         if PHASES == 3:
@@ -975,11 +962,6 @@ PERSISTENT_MAX_SPLITS = 8
 # 4f5d68e.
 PERSISTENT_SHARED_FIXUP = True
 PERSISTENT_FIX_BLOCKS = 4
-# FP8 weights with a 16/32-bit x: the persistent decode kernel quantizes x itself, each phase-1
-# step one 128-column group of its token rows (the same helper and bits as quantize_groups_triton),
-# instead of a quantization launch before it. Every unit that reads a group quantizes it again,
-# a few [bm, 128] tiles per step, in exchange for one kernel less in the call. False: as before.
-PERSISTENT_QUANT_X = True
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1020,8 +1002,7 @@ def _scale_args(scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, 
     if scales is None:
         return (unused, 0), (unused, 0, 0, 0), (unused, 0, 0, 0)
     xs, w13s, w2s = scales
-    xs_args = (unused, 0) if xs is None else (xs, xs.stride(0))  # None: the kernel quantizes x
-    return xs_args, (w13s, *w13s.stride()), (w2s, *w2s.stride())
+    return (xs, xs.stride(0)), (w13s, *w13s.stride()), (w2s, *w2s.stride())
 
 
 def _intermediate(rows: int, N: int, dtype: torch.dtype, fp8: bool, unused: torch.Tensor):
@@ -1043,9 +1024,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
 
     ``al`` is an alignment (sorted addressing) or :class:`DirectBlocks` (direct addressing,
     no alignment). ``scales`` = (x_scale [rows of x2d, H/128], w13_scale, w2_scale) selects
-    the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. x_scale None: x2d
-    is 16/32-bit and the persistent decode kernel quantizes it (only where
-    ``_quantizes_x_in_kernel``). Except in the
+    the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
     decode schedule (``_decode_schedule``), the kernels add into a zeroed float32 buffer with
     atomics, cast once at the end (``expert_major`` has the expert-major layout's own
     two_launch kernels, which store each row once).
@@ -1060,9 +1039,6 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
            else pdl.zeros((out_rows, H), torch.float32, device))
     fp8 = scales is not None
-    quant_x = fp8 and scales[0] is None
-    if quant_x and not _quantizes_x_in_kernel(config, al):
-        raise ValueError("x must come quantized (e4m3 with its scales) outside the persistent decode kernel")
     prec = _precision(x2d.dtype)
     c = config
     mul_weight = weights is not None
@@ -1088,7 +1064,7 @@ def _run(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
     # blocks are all written by GEMM1, so empty() is safe.
     inter, is_args = _intermediate(al.capacity, N, x2d.dtype, fp8, out)
     if decode and DECODE_PERSISTENT:
-        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, quant_x, prec, soft,
+        _run_persistent(x2d, w13, w2, wptr, inter, out, al, config, fp8, prec, soft,
                         xs_args, w13s_args, w2s_args, is_args)
         return out
     if decode:
@@ -1174,12 +1150,11 @@ def _fixup_plan(fp8: bool, bm: int, interp: bool) -> tuple[bool, int]:
     return PERSISTENT_SHARED_FIXUP and not interp, min(PERSISTENT_FIX_BLOCKS, bm)
 
 
-def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, quant_x: bool,
-                    prec: str, soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
+def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelConfig, fp8: bool, prec: str,
+                    soft: bool, xs_args, w13s_args, w2s_args, is_args) -> None:
     """The decode schedule as ``_persistent_decode_kernel``: one cooperative launch on the GPU
     (a grid as large as the SMs hold, so its barrier cannot wait on a CTA that is not running);
-    two launches, one per phase, in the interpreter. Writes ``out``. quant_x: FP8 with a
-    16/32-bit x2d, quantized in the kernel."""
+    two launches, one per phase, in the interpreter. Writes ``out``."""
     H, N = x2d.shape[1], w2.shape[2]
     device = x2d.device
     num_m = al.max_blocks
@@ -1195,7 +1170,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, QUANT_X=quant_x, SHARED_FIXUP=shared_fixup, FIX_BLOCKS=fix_blocks, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, SHARED_FIXUP=shared_fixup, FIX_BLOCKS=fix_blocks, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
@@ -1221,12 +1196,6 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
-
-
-def _quantizes_x_in_kernel(config: KernelConfig, al: Alignment | DirectBlocks) -> bool:
-    """Whether a 16/32-bit x with FP8 weights goes to the kernels unquantized: the persistent
-    decode kernel quantizes it as it reads it (``PERSISTENT_QUANT_X``)."""
-    return PERSISTENT_QUANT_X and DECODE_PERSISTENT and _decode_schedule(config, al)
 
 
 def _fp8_activations(a: torch.Tensor, a_scale, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1294,24 +1263,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     K = topk_ids.shape[1]
     out_dtype = torch.bfloat16 if x.dtype == _FP8 else x.dtype
     x = x.contiguous()
-    if x.dtype == _FP8:
-        x_scale = _check_scale("x_scale", x_scale, (M, H // FP8_GROUP), x.device).contiguous()
-    elif fp8:
-        _no_scales(x_scale=x_scale)
+    scales = None
+    if fp8:
+        x, xs = _fp8_activations(x, x_scale, "x_scale")
+        scales = (xs, w13_scale, w2_scale)
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
         al = align_tokens(topk_ids, E, config.bm)
-    scales = None
-    if fp8:
-        if x.dtype == _FP8:
-            xs = x_scale
-        elif _quantizes_x_in_kernel(config, al):
-            xs = None  # the persistent decode kernel quantizes x as it reads it
-        else:
-            x, xs = quantize_groups_triton(x)
-        scales = (xs, w13_scale, w2_scale)
     weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
     return _run(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales)
