@@ -56,6 +56,19 @@ def test_pdl_is_on_where_the_gpu_has_it():
     assert pdl.pdl_on(torch.device("cuda", torch.cuda.current_device())) == HOPPER
 
 
+def test_device_facts_follow_the_device():
+    """occupancy's cached capability and SM count: "cuda" is the current device, "cuda:i" device i."""
+    from moekit.kernels.occupancy import capability, sm_count
+
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        assert capability(torch.device("cuda", i)) == torch.cuda.get_device_capability(i)
+        assert sm_count(torch.device("cuda", i)) == props.multi_processor_count
+        with torch.cuda.device(i):
+            assert capability(torch.device("cuda")) == torch.cuda.get_device_capability(i)
+            assert sm_count(torch.device("cuda")) == props.multi_processor_count
+
+
 def test_zeros_and_cast_bitwise_torch():
     """The zeroing over memory that held other values, and float32 -> bf16 / fp16 casts of
     values across both ranges (overflow to inf included), bit for bit torch's."""

@@ -37,12 +37,11 @@ when launched without it; the Triton interpreter and GPUs before sm_90 never use
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from moekit.kernels.occupancy import sm_count
+from moekit.kernels.occupancy import capability, sm_count
 
 try:  # Triton is optional: the package imports without it, the kernels need it.
     import triton
@@ -79,14 +78,7 @@ def pdl_on(device: torch.device) -> bool:
     device of compute capability 9.0 or newer, and not Triton's interpreter."""
     from moekit.kernels.quant import interpreting  # (quant imports this module)
 
-    return (ENABLED and device.type == "cuda" and not interpreting()
-            and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0))
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device ``index`` (asked once: every kernel launch asks)."""
-    return torch.cuda.get_device_capability(index)
+    return ENABLED and device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
 
 
 def early(role: str, pdl: bool, grid: int, device: torch.device) -> bool:
