@@ -183,7 +183,7 @@ def main() -> int:
             for k, ker in row["kernels"].items():
                 parts = ", ".join(f"{n.split('(')[0][:28]} {us:.1f}" for n, us in ker.items())
                 print(f"      kernels of {k}: {parts} (sum {sum(ker.values()):.1f} us)")
-        del w13, w2
+        w13 = w2 = None  # (frees the shape's weights; a del would leave the closures above unbound)
         torch.cuda.empty_cache()
     write_result(args.out, ceil, rows, errors, t0)
     return 0
