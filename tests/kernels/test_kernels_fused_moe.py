@@ -271,23 +271,6 @@ def test_persistent_split_tiles_summed_in_row_blocks(monkeypatch, blocks):
             assert torch.equal(_check(x, w, ids, tw, cfg, dtype, alignment="direct"), whole)
 
 
-@pytest.mark.parametrize("M", [1, 2])
-def test_persistent_balanced_splits(monkeypatch, M):
-    """Phase-1 shares chosen for the most loaded SM (16-bit tiles): with 10 programs (each its own
-    SM in the interpreter) and 1-2 tokens naming 2-4 experts of 3 tiles each (6-12 tiles), more
-    shares than one per program (up to 2 units per program), against the reference; also with
-    the rule off (one share per program)."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
-    monkeypatch.setattr(module, "DECODE_PERSISTENT", True)
-    monkeypatch.setattr(module, "INTERPRET_GRID", 10)
-    x, w, ids, tw = _case(M, seed=29)
-    cfg = KernelConfig(bm=16, bn=16, bk=16, form="two_launch")  # 3 tiles of N = 40, 3 chunks of H = 48
-    for balance in (True, False):
-        monkeypatch.setattr(module, "PERSISTENT_BALANCE_SPLITS", balance)
-        for dtype in (torch.float16, torch.float32):
-            _check(x, w, ids, tw, cfg, dtype, alignment="direct")
-
-
 def test_resident_grid_key_tells_binaries_apart():
     """The persistent grids are cached per binary: a size passed as an argument (H, N are
     constexprs passed positionally), an integer's value and a pointer's 16-byte alignment

@@ -670,34 +670,6 @@ if HAVE_TRITON:
         _stamp(stamps_ptr, 6, STAMPS)
 
     @triton.jit
-    def _sm_max_units(units, grid, SMS: tl.constexpr):
-        """Units on the most loaded SM when program p walks units p, p + grid, ... and programs
-        p, p + SMS, ... share an SM (a grid of SMS x CTAs per SM, placed round-robin): SM 0, whose
-        programs take the first of the remainder's units."""
-        return (grid // SMS) * (units // grid) + (units % grid + SMS - 1) // SMS
-
-    @triton.jit
-    def _phase1_splits(tiles, grid, SMS: tl.constexpr, MAX_SPLITS: tl.constexpr, BALANCE: tl.constexpr):
-        """Reduction shares per phase-1 tile: as many as give each share a program of its own,
-        grid // tiles (at most MAX_SPLITS). BALANCE (tiles whose shares do not wait for each
-        other): instead the count that puts the least work on the most loaded SM, if it is at least
-        10 % less, among those with at most two split units per program (the partials' slots).
-        E.g. 192 tiles on 132 SMs x 2: whole tiles leave 60 SMs two tiles and 72 one (phase 1
-        ends with the doubled SMs, ~4 µs after the others, bf16 qwen3-30b-a3b), halves give the
-        most loaded SM 1.5 tiles."""
-        tiles = tl.maximum(tiles, 1)
-        best = tl.minimum(tl.maximum(grid // tiles, 1), MAX_SPLITS)
-        if BALANCE:
-            best_units = _sm_max_units(tiles * best, grid, SMS)
-            for s in tl.static_range(2, MAX_SPLITS + 1):
-                units = _sm_max_units(tiles * s, grid, SMS)
-                # load = units / splits, compared as fractions: units / s <= 0.9 best_units / best
-                better = (units * best * 10 <= best_units * s * 9) & (tiles * s <= 2 * grid)
-                best = tl.where(better, s, best)
-                best_units = tl.where(better, units, best_units)
-        return best
-
-    @triton.jit
     def _grid_barrier(count_ptr, num_programs):
         """Wait until every program of the grid has arrived (a cooperative launch keeps them
         all resident, so the spin cannot starve a program that has not started). Writes made
@@ -726,8 +698,8 @@ if HAVE_TRITON:
         MAX_SPLITS1: tl.constexpr, SPLITS2: tl.constexpr, RUNTIME_TRIP: tl.constexpr, KP: tl.constexpr,
         BINS: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr,
         BK2: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
-        SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr, SMS: tl.constexpr,
-        BALANCE_SPLITS: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr, SHARED_FIXUP: tl.constexpr, FIX_BLOCKS: tl.constexpr, STAMPS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """The decode schedule in one launch: GEMM1 + SwiGLU, a grid barrier, the decode GEMM2.
 
@@ -764,7 +736,7 @@ if HAVE_TRITON:
         _stamp(stamps_ptr, 1, STAMPS)
         if PHASES % 2 == 1:
             tiles = num_named * TILES1
-            splits1 = _phase1_splits(tiles, grid, SMS, MAX_SPLITS1, BALANCE_SPLITS)
+            splits1 = tl.minimum(tl.maximum(grid // tl.maximum(tiles, 1), 1), MAX_SPLITS1)
             units1 = tiles * splits1
             u = pid
             while u < units1:
@@ -990,9 +962,6 @@ PERSISTENT_MAX_SPLITS = 8
 # 4f5d68e.
 PERSISTENT_SHARED_FIXUP = True
 PERSISTENT_FIX_BLOCKS = 4
-# Phase 1's shares per tile chosen for the most loaded SM rather than one share per program
-# (``_phase1_splits``), where shares do not wait for each other (not under the shared fix-up).
-PERSISTENT_BALANCE_SPLITS = True
 INTERPRET_GRID = 5
 # Probes only: an int64 tensor of at least 8 x grid elements; while set, every persistent launch
 # writes its programs' phase timestamps there (``_persistent_decode_kernel``'s STAMPS).
@@ -1198,14 +1167,10 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
     on = pdl.pdl_on(device)
     # (MAX_BLOCKS bounds only the interpreter's loops: 0 on the GPU, so every M shares a binary)
     shared_fixup, fix_blocks = _fixup_plan(fp8, c.bm, interp)
-    # (the interpreter's programs run one by one: each counts as an SM of its own)
-    sms = INTERPRET_GRID if interp else sm_count(device)
     const = dict(MAX_BLOCKS=num_m if interp else 0, MAX_SPLITS1=max_splits1, SPLITS2=splits2,
                  RUNTIME_TRIP=not interp, KP=addr_const["KP"], BINS=addr_const["BINS"], BM=c.bm, BN1=c.bn,
                  BK1=c.bk, BN2=bn2, BK2=bk2, PRECISION=prec, FP8=fp8, SOFT_ROUND=soft,
-                 SWAP_AB=c.swap_ab, SHARED_FIXUP=shared_fixup, FIX_BLOCKS=fix_blocks,
-                 SMS=sms, BALANCE_SPLITS=PERSISTENT_BALANCE_SPLITS and not shared_fixup,
-                 STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
+                 SWAP_AB=c.swap_ab, SHARED_FIXUP=shared_fixup, FIX_BLOCKS=fix_blocks, STAMPS=PERSISTENT_STAMPS is not None, PDL=on,
                  num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(on))
 
     def args(sync, part1, part2):
@@ -1227,9 +1192,7 @@ def _run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelC
                              PERSISTENT_CTAS_PER_SM)
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = pdl.zeros((1 + grid + tiles2,), torch.int32, device)
-    # (two split units per program where the shares balance the SMs: _phase1_splits)
-    slots = grid * (2 if const["BALANCE_SPLITS"] else 1)
-    part1 = torch.empty(slots, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
+    part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
         _persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
