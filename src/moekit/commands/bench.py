@@ -1,0 +1,67 @@
+"""`moekit bench ...`: one benchmark per capability."""
+
+from __future__ import annotations
+
+
+def run_dispatch(args) -> int:
+    from moekit.bench.dispatch import DispatchBenchConfig, format_dispatch_bench, run_dispatch_bench
+
+    cfg = DispatchBenchConfig(shape=args.shape, tokens_per_rank=args.tokens, world_size=args.world_size,
+                              dispatcher=args.dispatcher, hidden=args.hidden, top_k=args.top_k,
+                              num_experts=args.num_experts, beta=args.beta, iters=args.iters,
+                              warmup=args.warmup, seed=args.seed, dtype=args.dtype)
+    record = run_dispatch_bench(cfg, out_dir=None if args.no_record else args.out_dir)
+    print(format_dispatch_bench(record))
+    return 0
+
+
+def run_capspill(args) -> int:
+    from moekit.bench.capspill import main as capspill_main
+
+    return capspill_main(args.extra)
+
+
+def run_kernel(args) -> int:
+    from moekit.bench.kernel import main as kernel_main
+
+    return kernel_main(args.extra)
+
+
+def run_lowlatency(args) -> int:
+    from moekit.bench.lowlatency import main as lowlatency_main
+
+    return lowlatency_main(args.extra)
+
+
+# Benchmarks with a parser of their own: the top-level parser hands them the rest of argv.
+PASS_THROUGH = (run_capspill, run_kernel, run_lowlatency)
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bd = b.add_parser("dispatch", help="dispatch/combine latency across local ranks")
+    bd.add_argument("--dispatcher", default="alltoall")
+    bd.add_argument("--shape", default="deepseek-v3")
+    bd.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    bd.add_argument("--world-size", type=int, default=2)
+    bd.add_argument("--hidden", type=int, default=None)
+    bd.add_argument("--top-k", type=int, default=None)
+    bd.add_argument("--num-experts", type=int, default=None)
+    bd.add_argument("--beta", type=float, default=1.0)
+    bd.add_argument("--iters", type=int, default=1000)
+    bd.add_argument("--warmup", type=int, default=100)
+    bd.add_argument("--seed", type=int, default=0)
+    bd.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
+    bd.add_argument("--out-dir", default="benchmarks/results")
+    bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
+    bd.set_defaults(func=run_dispatch)
+    bc = b.add_parser("capspill", add_help=False,
+                      help="MaxCounts vs Eager vs Cap-and-Spill on the Mixtral trace (options: --help)")
+    bc.set_defaults(func=run_capspill)
+    bk = b.add_parser("kernel", add_help=False,
+                      help="time every fused-MoE kernel config over M and routing skew (options: --help)")
+    bk.set_defaults(func=run_kernel)
+    bl = b.add_parser("lowlatency", add_help=False,
+                      help="low-latency EP layer vs all-to-all vs all_to_all_vdev_2d (options: --help)")
+    bl.set_defaults(func=run_lowlatency)
