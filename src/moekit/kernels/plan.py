@@ -6,8 +6,11 @@ persistent kernel or two, how many CTAs per SM its grids take, how a split tile 
 wide the decode GEMM2's chunks grow, whether kernels launch with programmatic dependent launch
 (``pdl``), and the probes' timestamp buffer. Every choice is a field with the library's default,
 so a caller (a probe, a test, a routing-aware selector) states what it wants and passes it:
-``fused_moe(..., plan=LaunchPlan(decode_persistent=False))``. Nothing here changes a result's
-bits except where a field's docstring says the float32 summation order changes.
+``fused_moe(..., plan=LaunchPlan(decode_persistent=False))``. Every plan gives a deterministic
+decode schedule; the fields that shape its grid or its reductions (``decode_persistent``,
+``persistent_ctas_per_sm``, ``persistent_max_splits``, ``decode_ctas_per_sm``, the chunk sizes,
+``interpret_grid``) may change the float32 summation order, and so the last bits; the fix-up
+plans, the expert-major grid caps, PDL and the stamps do not change a bit.
 
 The functions below derive the decode schedule's launch shape from a plan, the shape and the
 device's SM count (host side, no kernel).
@@ -62,8 +65,7 @@ class LaunchPlan:
       ``decode_kernels.persistent_decode_kernel``) instead of two kernels (kept to compare them).
     * ``persistent_ctas_per_sm``: the most CTAs per SM of that grid (fewer where the compiled
       kernel's registers or shared memory do not allow it).
-    * ``persistent_max_splits``: the most shares one GEMM1 tile's reduction is split into
-      (changes the float32 summation order of split tiles).
+    * ``persistent_max_splits``: the most shares one GEMM1 tile's reduction is split into.
     * ``fixup_fp8`` / ``fixup_16bit``: how split phase-1 tiles are summed (:class:`FixupPlan`).
       FP8 tiles share the sum: the last share's re-quantizing epilogue was the end of phase 1.
       16-bit tiles are summed whole by the last share: the shared sum was slower there.
