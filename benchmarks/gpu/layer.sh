@@ -17,7 +17,7 @@ timeout 360 python3 -m pytest tests/gpu/test_moe_layer_gpu.py tests/gpu/test_ali
   -s -p no:cacheprovider -rs > "$WORK/gpu-tests-$TAG.txt" 2>&1
 rc=$?; echo "layer GPU tests rc $rc"; tail -4 "$WORK/gpu-tests-$TAG.txt"
 [[ $rc == 0 ]] || { pack; exit 1; }
-timeout 420 python3 benchmarks/gpu/layer_probe.py --out "$WORK/layer-probe-$TAG.json" "$@" \
+timeout 420 python3 benchmarks/probes/layer_probe.py --out "$WORK/layer-probe-$TAG.json" "$@" \
   > "$WORK/layer-probe-$TAG.txt" 2>&1
 echo "probe rc $?"; tail -8 "$WORK/layer-probe-$TAG.txt"
 pack

@@ -5,8 +5,8 @@
 # lowlatency.sh all (the API GPU tests and the benchmark). Everything comes back as one
 # archive, $OUT/ll-ab-<tag>.tgz (the device tool returns at most 8 files).
 # Usage (device machine, repo root):
-#   git show <sha>:src/moekit/ep/lowlatency/cuda.py > benchmarks/gpu/old_cuda_<sha>.py   # here, untracked
-#   bash benchmarks/gpu/ll_ab.sh benchmarks/gpu/old_cuda_<sha>.py <tag> [<commit of this tree>]
+#   git show <sha>:src/moekit/ep/lowlatency/cuda.py > benchmarks/probes/old_cuda_<sha>.py   # here, untracked
+#   bash benchmarks/gpu/ll_ab.sh benchmarks/probes/old_cuda_<sha>.py <tag> [<commit of this tree>]
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OLD=$1; TAG=$2; FINAL=${OUT:-/tmp/out}
@@ -16,7 +16,7 @@ timeout 200 python3 -m pytest tests/gpu/test_lowlatency_transport_gpu.py -x -p n
   > "$OUT/transport-tests.txt" 2>&1
 rc=$?; echo "transport tests rc $rc"; tail -3 "$OUT/transport-tests.txt"
 [[ $rc == 0 ]] || { pack; exit 1; }
-timeout 240 python3 benchmarks/gpu/ll_probe.py --old "$OLD" --parts layer phases --variants old split-d8-c4 \
+timeout 240 python3 benchmarks/probes/ll_probe.py --old "$OLD" --parts layer phases --variants old split-d8-c4 \
   --tokens 1 8 128 256 --rounds 3 --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
 echo "probe rc $?"; grep -E "^layer|^phases" "$OUT/probe.txt"
 if python3 - "$OUT/probe.json" <<'PY'; then

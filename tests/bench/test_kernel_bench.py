@@ -304,13 +304,11 @@ def test_compiled_kernels_counts_one_binary_per_addressing_path():
     assert compiled_kernels(fused, (1, 64)) == 2
 
 
-def test_compiled_kernels_of_the_two_kernel_decode(monkeypatch):
-    import importlib
+def test_compiled_kernels_of_the_two_kernel_decode():
+    from moekit.kernels import KernelConfig, LaunchPlan
 
-    from moekit.kernels import KernelConfig
-
-    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_PERSISTENT", False)
-    assert compiled_kernels(KernelConfig(bm=16), (1, 4, 16)) == 2  # GEMM1 + the decode GEMM2
+    two_kernels = LaunchPlan(decode_persistent=False)
+    assert compiled_kernels(KernelConfig(bm=16), (1, 4, 16), plan=two_kernels) == 2  # GEMM1 + the decode GEMM2
 
 
 def test_load_table_rejects_bad_files(tmp_path):

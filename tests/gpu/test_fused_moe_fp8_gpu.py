@@ -36,7 +36,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moekit.fp8 import calc_diff, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups  # noqa: E402
-from moekit.kernels import KernelConfig, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import (FixupPlan, KernelConfig, LaunchPlan, config_space, fused_moe,  # noqa: E402
+                            fused_moe_expert_major)
 from moekit.moe.experts import MoEWeights, swiglu  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -223,22 +224,24 @@ def test_cuda_graph_replay_with_new_routing(weights, cases, form, case):
 @FIRST_SHARD
 @pytest.mark.parametrize("case", ["m1", "m12"])
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
-def test_persistent_split_tiles_shared_fixup(monkeypatch, weights, cases, case, swap_ab):
+def test_persistent_split_tiles_shared_fixup(weights, cases, case, swap_ab):
     """The persistent decode kernel's split FP8 tiles summed by every share in row blocks (the
     default on the GPU): bit for bit the tiles summed by the last share alone, whole or in row
     blocks; and 40 CUDA-graph replays, each with new routing, bitwise equal to eager calls."""
-    import importlib
+    from moekit.kernels.plan import fixup_plan
 
-    fm = importlib.import_module("moekit.kernels.fused_moe")
     x, ids, tw, _, _ = cases[case]
     cfg = KernelConfig(bm=16, bn=128, bk=128, num_stages=3, split_k=1, form="two_launch", swap_ab=swap_ab)
-    run = lambda i=ids, w=tw: fused_moe(x, *weights.cuda, i, w, cfg, **weights.scales, alignment="direct")  # noqa: E731
-    assert fm._fixup_plan(True, cfg.bm, interp=False) == (True, 4)
+
+    def run(i=ids, w=tw, plan=None):
+        return fused_moe(x, *weights.cuda, i, w, cfg, **weights.scales, alignment="direct", plan=plan)
+
+    assert fixup_plan(True, cfg.bm, interp=False) == (True, 4)
     shared = run()
-    for plan in ((False, 4), (False, 1)):
-        with monkeypatch.context() as m:
-            m.setattr(fm, "_fixup_plan", lambda fp8, bm, interp, plan=plan: plan)
-            assert torch.equal(run(), shared), plan
+    for shared_sum, blocks in ((False, 4), (False, 1)):
+        plan = LaunchPlan(fixup_fp8=FixupPlan(shared=shared_sum, row_blocks=blocks))
+        assert fixup_plan(True, cfg.bm, interp=False, plan=plan) == (shared_sum, blocks)
+        assert torch.equal(run(plan=plan), shared), (shared_sum, blocks)
     ids_buf, tw_buf = ids.clone(), tw.clone()
     run(ids_buf, tw_buf)
     graph = torch.cuda.CUDAGraph()

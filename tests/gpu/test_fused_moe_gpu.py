@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from moekit.kernels import KernelConfig, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import KernelConfig, LaunchPlan, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
 from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -179,15 +179,13 @@ DECODE_SHAPE = MoEShape("gpu-decode", num_experts=16, top_k=4, hidden=2048, inte
 
 
 @pytest.mark.parametrize("ctas_per_sm", [0, 2, 16], ids=["unsplit", "default", "split16"])
-def test_decode_gemm2_splits_exact_and_deterministic(monkeypatch, ctas_per_sm):
+def test_decode_gemm2_splits_exact_and_deterministic(ctas_per_sm):
     """The decode GEMM2 at H = 2048 on 132 SMs: unsplit (32 tiles of 64 columns, as the plan
-    picks with DECODE_CTAS_PER_SM = 0), the default (64 tiles x 4 splits) and 64 tiles x 16
+    picks with decode_ctas_per_sm = 0), the default (64 tiles x 4 splits) and 64 tiles x 16
     splits. Each matches the reference, and 50 graph replays give the bits of the eager call:
     the last CTA of a tile adds the partials only after all are written (a race would show as
     a wrong or varying sum)."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_CTAS_PER_SM", ctas_per_sm)
+    plan = LaunchPlan(decode_ctas_per_sm=ctas_per_sm)
     w = MoEWeights.random(DECODE_SHAPE, seed=3, dtype=torch.float32)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(4, DECODE_SHAPE.hidden, generator=g)
@@ -197,16 +195,16 @@ def test_decode_gemm2_splits_exact_and_deterministic(monkeypatch, ctas_per_sm):
     ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
     cfg = KernelConfig(bm=16, bn=32, bk=128, split_k=1, form="two_launch")
     args = (xd.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda(), cfg)
-    eager = fused_moe(*args, alignment="direct")
+    eager = fused_moe(*args, alignment="direct", plan=plan)
     assert ((eager.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(*args, alignment="direct")
+        fused_moe(*args, alignment="direct", plan=plan)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = fused_moe(*args, alignment="direct")
+        y = fused_moe(*args, alignment="direct", plan=plan)
     for _ in range(50):
         graph.replay()
         torch.cuda.synchronize()
@@ -218,30 +216,28 @@ NARROW_SHAPE = MoEShape("gpu-narrow", num_experts=64, top_k=8, hidden=2048, inte
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "two-kernel"])
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_decode_schedule_graph_replays_with_new_routing(monkeypatch, persistent, tokens):
+def test_decode_schedule_graph_replays_with_new_routing(persistent, tokens):
     """The decode schedule under CUDA-graph replay, routing redrawn before every replay, on a
     shape whose GEMM1 has few tiles (N = 256: 8 tiles of 32 per named expert), so the
     persistent kernel splits each tile's reduction into shares (a cooperative grid of ~2 CTAs
     per SM). 30 replays: each matches the float64 reference and gives the bits of an eager
     call on the same routing (counts and the barrier start from zero in every replay)."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_PERSISTENT", persistent)
+    plan = LaunchPlan(decode_persistent=persistent)
     w = MoEWeights.random(NARROW_SHAPE, seed=6, dtype=torch.float32)
     x = torch.randn(tokens, NARROW_SHAPE.hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
     w13, w2 = w.w13.bfloat16(), w.w2.bfloat16()
     ids, tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k, zipf=1.3, seed=8)
     cfg = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_launch")
     xd, w13d, w2d, ids_buf, tw_buf = x.cuda(), w13.cuda(), w2.cuda(), ids.cuda(), tw.cuda()
-    fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")  # compile outside the capture
+    fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct", plan=plan)  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+        fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct", plan=plan)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")
+        y = fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct", plan=plan)
     ref_w = MoEWeights(w.router, w13, w2)
     for step in range(30):
         new_ids, new_tw = synthetic_routing(tokens, NARROW_SHAPE.num_experts, NARROW_SHAPE.top_k,
@@ -254,19 +250,16 @@ def test_decode_schedule_graph_replays_with_new_routing(monkeypatch, persistent,
         torch.cuda.synchronize()
         ref = reference_moe(x, ref_w, new_ids, new_tw)
         assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2, step
-        assert torch.equal(y, fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct")), step
+        assert torch.equal(y, fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, alignment="direct", plan=plan)), step
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_persistent_stamps_change_nothing(monkeypatch, tokens):
-    """The probes' timestamps (``PERSISTENT_STAMPS``): with them the persistent decode kernel gives
+def test_persistent_stamps_change_nothing(tokens):
+    """The probes' timestamps (``LaunchPlan.stamps``): with them the persistent decode kernel gives
     the same bits, and each program's stamps are in the order of its phases (start <= routing
     done <= phase 1 done <= barrier left <= end; a program's last phase-1 unit between routing
     and phase 1 done; a summing share's sum between the two), with every program past the barrier
     after the last one reached it."""
-    import importlib
-
-    fm = importlib.import_module("moekit.kernels.fused_moe")
     w = MoEWeights.random(NARROW_SHAPE, seed=6, dtype=torch.float32)
     x = torch.randn(tokens, NARROW_SHAPE.hidden, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
     w13, w2 = w.w13.bfloat16().cuda(), w.w2.bfloat16().cuda()
@@ -274,8 +267,7 @@ def test_persistent_stamps_change_nothing(monkeypatch, tokens):
     cfg = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_launch")
     plain = fused_moe(x, w13, w2, ids.cuda(), tw.cuda(), cfg, alignment="direct")
     stamps = torch.zeros(8 * 1024, dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(fm, "PERSISTENT_STAMPS", stamps)
-    stamped = fused_moe(x, w13, w2, ids.cuda(), tw.cuda(), cfg, alignment="direct")
+    stamped = fused_moe(x, w13, w2, ids.cuda(), tw.cuda(), cfg, alignment="direct", plan=LaunchPlan(stamps=stamps))
     torch.cuda.synchronize()
     assert torch.equal(plain, stamped)
     t = stamps.view(-1, 8).cpu()

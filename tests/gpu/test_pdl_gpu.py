@@ -10,9 +10,6 @@ with float32 atomics (the fused form, sorted two_launch) are compared with the f
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-
 import pytest
 import torch
 
@@ -24,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moekit.fp8 import quantize_blocks  # noqa: E402
-from moekit.kernels import KernelConfig, fused_moe, fused_moe_expert_major, pdl  # noqa: E402
+from moekit.kernels import KernelConfig, LaunchPlan, fused_moe, fused_moe_expert_major, pdl  # noqa: E402
 from moekit.moe.experts import MoEWeights  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -36,24 +33,14 @@ DECODE = KernelConfig(bm=16, bn=32, bk=128, num_stages=4, split_k=1, form="two_l
 FP8_DECODE = KernelConfig(bm=16, bn=128, bk=128, num_stages=3, split_k=1, form="two_launch", swap_ab=True)
 
 
-@pytest.fixture(autouse=True)
-def _pdl_on(monkeypatch):
-    """Every test starts with PDL on, whatever MOEKIT_PDL says, and leaves the switch as it was."""
-    monkeypatch.setattr(pdl, "ENABLED", True)
-
-
-@contextlib.contextmanager
-def _pdl(on: bool):
-    saved, pdl.ENABLED = pdl.ENABLED, on
-    try:
-        yield
-    finally:
-        pdl.ENABLED = saved
+# PDL on and off, whatever MOEKIT_PDL says (a plan with pdl=None would follow it).
+PDL = {True: LaunchPlan(pdl=True), False: LaunchPlan(pdl=False)}
 
 
 def test_pdl_is_on_where_the_gpu_has_it():
-    assert pdl.pdl_on(torch.device("cuda")) == HOPPER
-    assert pdl.pdl_on(torch.device("cuda", torch.cuda.current_device())) == HOPPER
+    assert pdl.pdl_on(torch.device("cuda"), PDL[True]) == HOPPER
+    assert pdl.pdl_on(torch.device("cuda", torch.cuda.current_device()), PDL[True]) == HOPPER
+    assert not pdl.pdl_on(torch.device("cuda"), PDL[False])
 
 
 def test_device_facts_follow_the_device():
@@ -74,12 +61,12 @@ def test_zeros_and_cast_bitwise_torch():
     values across both ranges (overflow to inf included), bit for bit torch's."""
     junk = torch.full((300_000,), 7.0, device="cuda")
     del junk  # the allocator hands this block to the next tensor of the size
-    z = pdl.zeros((300_000,), torch.float32, torch.device("cuda"))
+    z = pdl.zeros((300_000,), torch.float32, torch.device("cuda"), PDL[True])
     assert torch.equal(z, torch.zeros_like(z))
     g = torch.Generator(device="cuda").manual_seed(1)
     src = torch.randn(100_003, generator=g, device="cuda") * torch.logspace(-30, 30, 100_003, device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
-        assert torch.equal(pdl.cast(src, dtype), src.to(dtype))
+        assert torch.equal(pdl.cast(src, dtype, PDL[True]), src.to(dtype))
 
 
 def _weights(seed: int):
@@ -96,34 +83,30 @@ def _routing(tokens: int, step: int):
 
 
 def _both_ways(call):
-    out = {}
-    for on in (False, True):
-        with _pdl(on):
-            out[on] = call()
-    return out[False], out[True]
+    """call(plan) without PDL and with it."""
+    return call(PDL[False]), call(PDL[True])
 
 
 def _graph(call):
-    """``call`` captured in a CUDA graph (warmed up on a side stream first): (graph, output)."""
+    """``call`` with PDL on, captured in a CUDA graph (warmed up on a side stream first): (graph, output)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        call()
+        call(PDL[True])
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = call()
+        y = call(PDL[True])
     return graph, y
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "two-kernel"])
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_decode_schedule_bitwise_with_and_without_pdl(monkeypatch, precision, persistent, tokens):
+def test_decode_schedule_bitwise_with_and_without_pdl(precision, persistent, tokens):
     """The decode schedule's chain (zeroing, FP8 quantization of x, the kernel or kernels):
     eager calls with PDL on and off give the same bits, and so do 20 replays of a graph
     captured with PDL on, each with new routing, against eager calls without PDL."""
-    monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_PERSISTENT", persistent)
     w, w13, w2 = _weights(11)
     kw, cfg = {}, DECODE
     if precision == "fp8":
@@ -134,8 +117,9 @@ def test_decode_schedule_bitwise_with_and_without_pdl(monkeypatch, precision, pe
     ids0, tw0 = _routing(tokens, 0)
     ids_buf, tw_buf = ids0.cuda(), tw0.cuda()
 
-    def call():
-        return fused_moe(x, w13, w2, ids_buf, tw_buf, cfg, alignment="direct", **kw)
+    def call(plan):
+        return fused_moe(x, w13, w2, ids_buf, tw_buf, cfg, alignment="direct", **kw,
+                         plan=plan.replace(decode_persistent=persistent))
 
     off, on = _both_ways(call)
     assert torch.equal(off, on)
@@ -148,8 +132,7 @@ def test_decode_schedule_bitwise_with_and_without_pdl(monkeypatch, precision, pe
         ids_buf.copy_(ids)
         tw_buf.copy_(tw)
         graph.replay()
-        with _pdl(False):
-            eager_off = call()
+        eager_off = call(PDL[False])
         torch.cuda.synchronize()
         assert torch.equal(y, eager_off), step
 
@@ -167,7 +150,7 @@ def test_atomic_forms_with_pdl_match_the_reference(cfg):
     x = torch.randn(tokens, SHAPE.hidden, generator=torch.Generator().manual_seed(14)).bfloat16()
     ids0, tw0 = _routing(tokens, 0)
     xd, w13d, w2d, ids_buf, tw_buf = x.cuda(), w13.cuda(), w2.cuda(), ids0.cuda(), tw0.cuda()
-    graph, y = _graph(lambda: fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg))
+    graph, y = _graph(lambda plan: fused_moe(xd, w13d, w2d, ids_buf, tw_buf, cfg, plan=plan))
     ref_w = MoEWeights(w.router, w13, w2)
     for step in range(1, 21):
         ids, tw = _routing(tokens, step)
@@ -188,8 +171,8 @@ def test_expert_major_bitwise_with_and_without_pdl():
     tokens = torch.randn(E, cap, SHAPE.hidden, generator=torch.Generator().manual_seed(16)).bfloat16().cuda()
     counts = torch.tensor([0, 1, 16, 17, 48, 3, 0, 30], device="cuda")
 
-    def call():
-        return fused_moe_expert_major(tokens, counts, w13, w2, None)
+    def call(plan):
+        return fused_moe_expert_major(tokens, counts, w13, w2, None, plan=plan)
 
     def valid(y):
         return torch.cat([y[e, :int(n)] for e, n in enumerate(counts.tolist())])
@@ -201,7 +184,6 @@ def test_expert_major_bitwise_with_and_without_pdl():
     for step in range(20):
         counts.copy_(torch.randint(0, cap + 1, (E,), generator=g))
         graph.replay()
-        with _pdl(False):
-            eager_off = call()
+        eager_off = call(PDL[False])
         torch.cuda.synchronize()
         assert torch.equal(valid(y), valid(eager_off)), step

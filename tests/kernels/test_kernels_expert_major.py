@@ -1,21 +1,19 @@
 """fused_moe_expert_major's own schedule (moekit.kernels.expert_major) against float64 experts.
 
 Triton's interpreter on CPU (fp16/fp32; bf16 and FP8 are tested on the GPU). The persistent
-kernels run with a small grid here (``INTERPRET_GRID``), so programs walk several units; the
+kernels run with a small grid here (``LaunchPlan.expert_major_interpret_grid``), so programs walk several units; the
 shapes are not multiples of the tiles, and the counts put 0, 1, partial and several blocks in
 one call.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from moekit.kernels import KernelConfig, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import KernelConfig, LaunchPlan, fused_moe_expert_major  # noqa: E402
 from moekit.kernels.align import align_expert_major  # noqa: E402
 from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
 from moekit.shapes import MoEShape  # noqa: E402
@@ -28,7 +26,6 @@ STORED = [  # two_launch, split_k = 1: the expert-major schedule
     KernelConfig(bm=32, bn=16, bk=16, group_m=4, form="two_launch"),
     KernelConfig(bm=16, bn=64, bk=64, group_m=8, bn2=32, form="two_launch"),
 ]
-module = importlib.import_module("moekit.kernels.expert_major")
 
 
 def _case(cap: int, counts: list[int], dtype: torch.dtype, seed: int = 0):
@@ -51,12 +48,11 @@ def _check_rows(y, tokens, counts, w, dtype):
 @pytest.mark.parametrize("cfg", STORED, ids=lambda c: f"bm{c.bm}-bn{c.bn}-bk{c.bk}-g{c.group_m}-n2{c.gemm2_bn}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("grid", [1, 3, 64])
-def test_stored_schedule_against_float64(monkeypatch, cfg, dtype, grid):
+def test_stored_schedule_against_float64(cfg, dtype, grid):
     """Experts with 0 rows, 1 row, a partial block, several blocks and the whole capacity;
     one program walking every unit, a few, and more programs than units."""
-    monkeypatch.setattr(module, "INTERPRET_GRID", grid)
     tokens, counts, w = _case(37, [0, 1, 37, 17, 32], dtype)
-    y = fused_moe_expert_major(tokens, counts, w.w13, w.w2, cfg)
+    y = fused_moe_expert_major(tokens, counts, w.w13, w.w2, cfg, plan=LaunchPlan(expert_major_interpret_grid=grid))
     _check_rows(y, tokens, counts, w, dtype)
 
 
@@ -74,13 +70,14 @@ def test_stored_schedule_equals_the_aligned_token_kernels(cfg):
     """Bitwise: each output row has one writer in both, and both reduce in the same chunk
     order, so the live-block schedule must equal the token path's kernels run over
     ``align_expert_major``'s fixed block table (atomics into zeros, then a cast)."""
-    fused_moe = importlib.import_module("moekit.kernels.fused_moe")
+    from moekit.kernels.launch import run_blocks
+
     tokens, counts, w = _case(37, [5, 0, 37, 16, 33], torch.float32, seed=5)
     E, cap, H = tokens.shape
     y = fused_moe_expert_major(tokens, counts, w.w13, w.w2, cfg)
     al = align_expert_major(counts, cap, cfg.bm)
-    ref = fused_moe._run(tokens.reshape(E * cap, H), w.w13, w.w2, None, al, E * cap, torch.float32, a_div=1,
-                         out_div=1, config=cfg).reshape(E, cap, H)
+    ref = run_blocks(tokens.reshape(E * cap, H), w.w13, w.w2, None, al, E * cap, torch.float32, a_div=1,
+                     out_div=1, config=cfg).reshape(E, cap, H)
     for e, n in enumerate(counts.tolist()):
         assert torch.equal(y[e, :n], ref[e, :n]), e
 

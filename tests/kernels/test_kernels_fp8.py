@@ -23,7 +23,6 @@ that); shapes are the smallest that give several scale blocks in each dimension.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 
 import pytest
@@ -32,7 +31,7 @@ import torch
 pytest.importorskip("triton")
 
 from moekit.fp8 import calc_diff, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups  # noqa: E402
-from moekit.kernels import KernelConfig, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import KernelConfig, LaunchPlan, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
 from moekit.kernels.quant import quantize_groups_triton  # noqa: E402
 from moekit.moe.experts import MoEWeights, swiglu  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
@@ -59,7 +58,7 @@ SHAPE = MoEShape("tiny-fp8", num_experts=4, top_k=2, hidden=256, intermediate=25
 # H200 over 60 random draws of ``test_expert_major``'s inputs the worst expert measured 1.9e-2
 # against the emulation (the same, bit for bit, as a bm = 64 config, which takes the warpgroup MMA
 # unswapped) and one draw 2.6e-2, where the mma.sync path of the unswapped bm = 16 kernels stayed
-# under 2e-3 (benchmarks/gpu/fp8_accuracy_probe.py; benchmarks/results/h200-expert-major/). Hence
+# under 2e-3 (benchmarks/probes/fp8_accuracy_probe.py; benchmarks/results/h200-expert-major/). Hence
 # 3e-2 there natively, also between the swapped and the unswapped kernels. (The token path's
 # float32-output checks passed natively under 1e-2 at 94b25c6, where every bm < 64 config swapped.)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -287,20 +286,21 @@ def test_partial_tiles_and_empty_splits():
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["", "swapped"])
-def test_decode_gemm2_wide_chunks_are_bitwise_one_group_chunks(case, swap, monkeypatch):
+def test_decode_gemm2_wide_chunks_are_bitwise_one_group_chunks(case, swap):
     """The decode schedule's GEMM2 takes several 128-wide scale groups per chunk (here 2 of
     N = 256): the same sum, bit for bit, as one group per chunk (no atomics in the decode
     schedule; the groups are added in the same order)."""
-    fm_module = importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
+    from moekit.kernels.plan import decode_gemm2_plan
+
     cfg = dataclasses.replace(FORMS["two_launch_sk1"], swap_ab=swap)
     x = case.tokens(7).bfloat16()
     ids, tw = synthetic_routing(7, SHAPE.num_experts, SHAPE.top_k, zipf=1.5, seed=13)
     args = (x.to(DEVICE), case.w13.to(DEVICE), case.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg)
-    plan = fm_module._decode_gemm2_plan
-    assert plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"))[1] == 256
+    one_group = LaunchPlan(decode_w2_chunk_bytes=0, decode_w2_chunk_bytes_fp8=0)  # chunks of the config's bk
+    assert decode_gemm2_plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"))[1] == 256
+    assert decode_gemm2_plan(256, 256, 16, 128, cfg.num_stages, 1, 4, torch.device("cpu"), one_group)[1] == 128
     wide = fused_moe(*args, **case.weight_kwargs())
-    monkeypatch.setattr(fm_module, "_decode_gemm2_plan", lambda *a: (plan(*a)[0], 128, plan(*a)[2]))
-    narrow = fused_moe(*args, **case.weight_kwargs())
+    narrow = fused_moe(*args, **case.weight_kwargs(), plan=one_group)
     assert torch.equal(wide, narrow)
     xd = dequantize_groups(*quantize_groups(x, 128), dtype=torch.float64)
     assert calc_diff(wide.cpu(), case.plain(xd, ids, tw)) < CALC_DIFF_MAX

@@ -8,14 +8,12 @@ so every mask is exercised.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from moekit.kernels import KernelConfig, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import FixupPlan, KernelConfig, LaunchPlan, fused_moe, fused_moe_expert_major  # noqa: E402
 from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -54,12 +52,12 @@ def _case(M, seed, *, zipf=None, dtype=torch.float16):
     return x, w, ids, tw
 
 
-def _check(x, w, ids, tw, cfg, dtype, alignment="auto"):
+def _check(x, w, ids, tw, cfg, dtype, alignment="auto", plan=None):
     # The reference sees the same rounded inputs as the kernel.
     xd, w13, w2 = (t.to(dtype) for t in (x, w.w13, w.w2))
     ref = reference_moe(xd, MoEWeights(w.router, w13, w2), ids, tw)
     y = fused_moe(xd.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), cfg,
-                  alignment=alignment)
+                  alignment=alignment, plan=plan)
     assert y.shape == x.shape and y.dtype == dtype
     err = _rel_err(y, ref)
     assert err < TOL[dtype], (cfg, dtype, alignment, err)
@@ -163,7 +161,7 @@ def test_all_slots_masked(form, alignment):
 
 def test_decode_column_tile():
     """32 columns, 64 only where 32 alone would exceed 2 CTAs per SM (132 SMs assumed on CPU)."""
-    from moekit.kernels.fused_moe import _decode_column_tile
+    from moekit.kernels.plan import decode_column_tile as _decode_column_tile
 
     cpu = torch.device("cpu")
     assert [_decode_column_tile(H, cpu) for H in (48, 2048, 4096, 7168, 8448, 8480, 16384)] == [32] * 5 + [64] * 2
@@ -175,7 +173,7 @@ def test_decode_gemm2_plan():
     and by the config's stages fitting 192 KB shared by the CTAs of an SM); FP8 (1-byte
     elements) by whole 128-wide scale groups, with bm <= 32 towards 32 KB counting stages - 1
     copies of the tiles."""
-    from moekit.kernels.fused_moe import _decode_gemm2_plan
+    from moekit.kernels.plan import decode_gemm2_plan as _decode_gemm2_plan
 
     cpu = torch.device("cpu")  # 132 SMs
     # olmoe, qwen3: 64 column tiles -> 4 splits (256 CTAs, 96 KB each): 4 stages of 16 KB chunks
@@ -196,25 +194,23 @@ def test_decode_gemm2_plan():
 
 
 @pytest.fixture(params=["split", "unsplit"])
-def decode_splits(request, monkeypatch):
+def decode_splits(request):
     """The decode GEMM2 with the named experts split over several CTAs per column tile (the
-    tests' tiny H gives few tiles, so the default plan splits), or forced to one CTA per tile."""
-    if request.param == "unsplit":
-        # (the package exports a function named fused_moe, which shadows the module's name)
-        monkeypatch.setattr(importlib.import_module("moekit.kernels.fused_moe"), "DECODE_CTAS_PER_SM", 0)
-    return request.param
+    tests' tiny H gives few tiles, so the default plan splits), or forced to one CTA per tile:
+    the LaunchPlan fields that say so."""
+    return dict(decode_ctas_per_sm=0) if request.param == "unsplit" else {}
 
 
 @pytest.fixture(params=["persistent", "persistent-split", "two-kernel"])
-def decode_impl(request, monkeypatch):
+def decode_impl(request):
     """The decode schedule as one persistent kernel (in the interpreter: its two phases, 5
     programs), the same with 40 programs (more than the GEMM1 tiles, so each tile's reduction
-    is split into shares whose partials the last share adds), or as two kernels."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
-    monkeypatch.setattr(module, "DECODE_PERSISTENT", request.param != "two-kernel")
+    is split into shares whose partials the last share adds), or as two kernels: the LaunchPlan
+    fields that say so."""
+    fields = dict(decode_persistent=request.param != "two-kernel")
     if request.param == "persistent-split":
-        monkeypatch.setattr(module, "INTERPRET_GRID", 40)
-    return request.param
+        fields["interpret_grid"] = 40
+    return fields
 
 
 @pytest.mark.parametrize("M", [1, 9])
@@ -223,65 +219,63 @@ def test_decode_schedule_split_and_unsplit(decode_impl, decode_splits, M):
     skewed routing."""
     x, w, ids, tw = _case(M, seed=14, zipf=1.5)
     ids[0, -1] = -1
-    _check(x, w, ids, tw, FORMS["two_launch_sk1"], torch.float32, alignment="direct")
+    _check(x, w, ids, tw, FORMS["two_launch_sk1"], torch.float32, alignment="direct",
+           plan=LaunchPlan(**decode_impl, **decode_splits))
 
 
 @pytest.mark.parametrize("cfg", [KernelConfig(bm=16, bn=16, bk=16, form="two_launch"),
                                  KernelConfig(bm=32, bn=32, bk=32, form="two_launch")], ids=["bk16", "bk32"])
 @pytest.mark.parametrize("grid", [1, 7, 64])
-def test_persistent_decode_grids(monkeypatch, cfg, grid):
+def test_persistent_decode_grids(cfg, grid):
     """The persistent decode kernel with one program (it walks every unit), a few, and more
     programs than GEMM1 tiles (reduction shares: 3 for bk = 16, 2 for bk = 32 over H = 48),
     fp16 and fp32, against the reference; a token naming one expert twice and a -1 slot."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
-    monkeypatch.setattr(module, "DECODE_PERSISTENT", True)
-    monkeypatch.setattr(module, "INTERPRET_GRID", grid)
+    plan = LaunchPlan(decode_persistent=True, interpret_grid=grid)
     x, w, ids, tw = _case(5, seed=21, zipf=1.2)
     ids[1, 1] = ids[1, 0]
     ids[3, 0] = -1
     for dtype in (torch.float16, torch.float32):
-        _check(x, w, ids, tw, cfg, dtype, alignment="direct")
+        _check(x, w, ids, tw, cfg, dtype, alignment="direct", plan=plan)
 
 
 def test_fixup_plan():
     """FP8 split tiles: every share sums its row blocks on the GPU, the last share all of them in
     the interpreter; 16-bit tiles: the last share, the whole tile; never more blocks than rows."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
-    assert module._fixup_plan(True, 16, interp=False) == (True, 4)
-    assert module._fixup_plan(True, 16, interp=True) == (False, 4)
-    assert module._fixup_plan(False, 16, interp=False) == (False, 1)
-    assert module._fixup_plan(True, 2, interp=False) == (True, 2)
+    from moekit.kernels.plan import fixup_plan
+
+    assert fixup_plan(True, 16, interp=False) == (True, 4)
+    assert fixup_plan(True, 16, interp=True) == (False, 4)
+    assert fixup_plan(False, 16, interp=False) == (False, 1)
+    assert fixup_plan(True, 2, interp=False) == (True, 2)
 
 
 @pytest.mark.parametrize("blocks", [2, 4])
-def test_persistent_split_tiles_summed_in_row_blocks(monkeypatch, blocks):
+def test_persistent_split_tiles_summed_in_row_blocks(blocks):
     """The split phase-1 tiles summed and stored in row blocks (as FP8 tiles are on the GPU; here the
     last share does every block, fp16 / fp32 in the interpreter) match the reference and, bit for
     bit, the whole tile summed at once."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
-    monkeypatch.setattr(module, "DECODE_PERSISTENT", True)
-    monkeypatch.setattr(module, "INTERPRET_GRID", 40)  # more programs than tiles: split reductions
+    plan = LaunchPlan(decode_persistent=True, interpret_grid=40)  # more programs than tiles: split reductions
+    in_blocks = plan.replace(fixup_16bit=FixupPlan(shared=False, row_blocks=blocks))
     x, w, ids, tw = _case(9, seed=23, zipf=1.3)
     ids[2, 0] = -1
     cfg = KernelConfig(bm=16, bn=16, bk=16, form="two_launch")
     for dtype in (torch.float16, torch.float32):
-        whole = _check(x, w, ids, tw, cfg, dtype, alignment="direct")
-        with monkeypatch.context() as m:
-            m.setattr(module, "_fixup_plan", lambda fp8, bm, interp: (False, blocks))
-            assert torch.equal(_check(x, w, ids, tw, cfg, dtype, alignment="direct"), whole)
+        whole = _check(x, w, ids, tw, cfg, dtype, alignment="direct", plan=plan)
+        assert torch.equal(_check(x, w, ids, tw, cfg, dtype, alignment="direct", plan=in_blocks), whole)
 
 
 def test_resident_grid_key_tells_binaries_apart():
     """The persistent grids are cached per binary: a size passed as an argument (H, N are
     constexprs passed positionally), an integer's value and a pointer's 16-byte alignment
     (both specialized by Triton) each change the key; equal arguments give the same key."""
-    module = importlib.import_module("moekit.kernels.fused_moe")
+    from moekit.kernels import occupancy
+
     kernel = type("K", (), {"fn": _case})  # only its name is read
     buf = torch.zeros(8, dtype=torch.float32)
     const = dict(BM=16, num_warps=4)
 
     def key(*args, cap=2, **extra):
-        return module._binary_key(kernel, args, {**const, **extra}, cap)
+        return occupancy.binary_key(kernel, args, {**const, **extra}, cap)
 
     base = key(buf, 2048, 768, 1)
     assert key(buf.clone(), 2048, 768, 1) == base
@@ -298,8 +292,9 @@ def test_decode_schedule_is_deterministic(decode_impl, decode_splits):
     same call gives the same bits."""
     x, w, ids, tw = _case(9, seed=13)
     args = [t.to(DEVICE) for t in (x, w.w13, w.w2, ids, tw)]
-    y1 = fused_moe(*args, FORMS["two_launch_sk1"], alignment="direct")
-    y2 = fused_moe(*args, FORMS["two_launch_sk1"], alignment="direct")
+    plan = LaunchPlan(**decode_impl, **decode_splits)
+    y1 = fused_moe(*args, FORMS["two_launch_sk1"], alignment="direct", plan=plan)
+    y2 = fused_moe(*args, FORMS["two_launch_sk1"], alignment="direct", plan=plan)
     assert torch.equal(y1, y2)
 
 

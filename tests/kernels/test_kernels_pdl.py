@@ -14,19 +14,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from moekit.kernels import pdl  # noqa: E402
+from moekit.kernels import LaunchPlan, pdl  # noqa: E402
+from moekit.kernels.backend import interpreting  # noqa: E402
 from moekit.kernels.occupancy import sm_count  # noqa: E402
-from moekit.kernels.quant import interpreting  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_off_on_cpu_in_the_interpreter_and_when_disabled(monkeypatch):
+def test_off_on_cpu_in_the_interpreter_and_when_disabled():
     assert not pdl.pdl_on(torch.device("cpu"))
     if interpreting():
         assert not pdl.pdl_on(DEVICE)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.pdl_on(DEVICE)
+    assert not pdl.pdl_on(DEVICE, LaunchPlan(pdl=False))
     assert pdl.launch_options(False) == {}
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
@@ -41,20 +40,21 @@ def test_moekit_pdl_environment_variable():
         pdl.enabled_by({"MOEKIT_PDL": "sometimes"})
 
 
-def test_early_needs_pdl_its_role_and_one_program_per_sm(monkeypatch):
-    """A kernel lets its dependents launch at its start only under PDL, where pdl.EARLY allows
-    its role, and over at most one program per SM."""
+def test_early_needs_pdl_its_role_and_one_program_per_sm():
+    """A kernel lets its dependents launch at its start only under PDL, where the plan's
+    pdl_early (by default pdl.EARLY) allows its role, and over at most one program per SM."""
     for role in pdl.EARLY:
         assert not pdl.early(role, False, 1, DEVICE)
     with pytest.raises(KeyError):
         pdl.early("no such kernel", True, 1, DEVICE)
     sms = sm_count(DEVICE)
-    monkeypatch.setitem(pdl.EARLY, "zero", True)
-    assert pdl.early("zero", True, 1, DEVICE) and pdl.early("zero", True, sms, DEVICE)
-    assert not pdl.early("zero", True, sms + 1, DEVICE)
-    monkeypatch.setitem(pdl.EARLY, "zero", False)
-    assert not pdl.early("zero", True, 1, DEVICE)
+    zero_early = LaunchPlan(pdl_early={"zero"})
+    assert pdl.early("zero", True, 1, DEVICE, zero_early) and pdl.early("zero", True, sms, DEVICE, zero_early)
+    assert not pdl.early("zero", True, sms + 1, DEVICE, zero_early)
+    zero_late = LaunchPlan(pdl_early=set())
+    assert not pdl.early("zero", True, 1, DEVICE, zero_late)
     assert not pdl.EARLY["gemm1"]  # GEMM2 follows GEMM1: no short kernel
+    assert LaunchPlan().pdl_early == {role for role, on in pdl.EARLY.items() if on}
 
 
 @pytest.mark.parametrize("n", [1, 1000, 1024, 2500])

@@ -348,22 +348,21 @@ def estimate_group_s(shape: BenchShape, M: int, n_configs: int, cfg: KernelBench
     return routing + baseline + n_configs * (EST_CONFIG_S + n_b * per_point)
 
 
-def compiled_kernels(config, m_values) -> int:
+def compiled_kernels(config, m_values, plan=None) -> int:
     """How many kernels Triton compiles for ``config`` over ``m_values``: the addressing
     (direct where M <= bm, sorted above) is a compile-time constant, so each path present is
     its own binary of every launch (fused: one; two_launch: GEMM1 and a GEMM2, except the
     decode schedule, direct addressing without split-K, which is one persistent kernel while
-    ``fused_moe.DECODE_PERSISTENT`` holds). The batch-size ints are not specialized, so the M
-    values of one path mostly share a binary (a lower bound: a few plan constants follow M)."""
-    import importlib
-
-    fm = importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels exports a function of that name)
+    ``plan.decode_persistent`` holds, a LaunchPlan, None: the default). The batch-size ints are not
+    specialized, so the M values of one path mostly share a binary (a lower bound: a few plan
+    constants follow M)."""
+    from moekit.kernels.plan import DEFAULT_PLAN
 
     direct = any(M <= config.bm for M in m_values)
     sorted_ = any(M > config.bm for M in m_values)
     if config.form == "fused":
         return direct + sorted_
-    decode_launches = 1 if config.split_k == 1 and fm.DECODE_PERSISTENT else 2
+    decode_launches = 1 if config.split_k == 1 and (plan or DEFAULT_PLAN).decode_persistent else 2
     return direct * decode_launches + sorted_ * 2
 
 

@@ -21,7 +21,7 @@ Two implementations with the same output, bit for bit:
 * :func:`align_tokens_triton`, the one :func:`align_tokens` uses wherever Triton runs (GPU, or
   the CPU interpreter): one or two launches. At decode sizes alignment is pure launch overhead, and
   the torch version's ~10 small kernels cost more than the expert GEMMs of a one-token batch
-  (measured on H200: 63-75 us of a 104 us call at M = 1, docs/kernel.md). Up to ``_MAX_SCAN``
+  (docs/kernel.md). Up to ``_MAX_SCAN``
   pairs (M <= 128 at top-8) it is one launch of one program, which does all of the below
   itself; above that:
   1. ``_count_chunks``: one program per chunk of ``SCAN`` pairs writes the chunk's expert
@@ -42,16 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.kernels.quant import interpreting
-
-try:  # Triton is optional: the package imports without it (align_tokens then uses torch).
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = tl = None
-    HAVE_TRITON = False
+# Triton is optional: the package imports without it (align_tokens then uses torch).
+from moekit.kernels.backend import HAVE_TRITON, interpreting, require_triton, tl, triton
 
 
 @dataclass
@@ -253,8 +245,7 @@ if HAVE_TRITON:
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     """:func:`align_tokens` in two Triton launches (see the module docstring)."""
-    if not HAVE_TRITON:
-        raise RuntimeError("moekit.kernels needs Triton: pip install 'moekit[triton]'")
+    require_triton()
     _check_align_args(topk_ids, num_experts, bm)
     device = topk_ids.device
     num_pairs = topk_ids.numel()

@@ -1,7 +1,7 @@
 """Tile configurations of the fused MoE kernel, and the space of valid ones for a model shape.
 
 A :class:`KernelConfig` fixes everything that is compiled into the kernel (tile sizes, warps,
-pipeline depth) and the two polymorphic modes the RaMP seed (002) dispatches at run time:
+pipeline depth) and the two polymorphic modes RaMP dispatches at run time:
 GROUP_M swizzle and split-K, plus the execution form (``two_launch`` or ``fused``).
 
 :func:`config_space` enumerates the configurations that fit the hardware: their shared memory
@@ -254,8 +254,8 @@ def default_config(M: int, shape: MoEShape, *, dtype: torch.dtype = torch.bfloat
     Expected rows per active expert ~ M*K/E: use the smallest token block that is not mostly
     padding, wide tiles for large batches, and split GEMM2's reduction at tiny batches where
     the grid is far below one wave. ``dtype=torch.float8_e4m3fn`` picks from the FP8 rules
-    (bn = bk = 128), with the dots swapped at decode (on an H200 the swapped default was the
-    faster at 5 of 6 decode points, by up to 16 %: benchmarks/results/h200-fp8-token/).
+    (bn = bk = 128), with the dots swapped at decode, where the swapped default was the faster
+    at most decode points measured (docs/kernel.md).
     """
     fp8 = dtype == torch.float8_e4m3fn
     rows = max(1, M * shape.top_k // shape.num_experts)

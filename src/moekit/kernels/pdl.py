@@ -2,8 +2,8 @@
 
 A decode call is a chain of short kernels (the zeroing of the output or of the counters, the
 FP8 quantization of x, the experts, the cast of the float32 sums), and in a CUDA graph each
-kernel boundary costs a gap of about a microsecond on an H200 on top of the kernels themselves
-(docs/kernel.md, "Decode: the fixed cost"). On compute capability 9.0 and newer a kernel
+kernel boundary costs a gap on top of the kernels themselves (docs/kernel.md, "Decode: the
+fixed cost"). On compute capability 9.0 and newer a kernel
 launched with PDL (Triton's ``launch_pdl=True``, the programmatic-stream-serialization
 attribute) may be placed on the SMs while the kernel before it in the stream is still running,
 as soon as every CTA of that one has executed ``griddepcontrol.launch_dependents`` (or exited);
@@ -23,11 +23,10 @@ Two rules make any chain of these kernels correct, whatever runs before or after
   than the GPU has SMs (a short kernel of a decode call). Otherwise the dependents launch as its
   programs exit, which still saves their launch.
 
-Measured on an H200 (benchmarks/results/h200-pdl): PDL took 0.3-2.5 µs off a decode call, and
-the early launches about 0.3-0.5 µs of that; but an early launch before a long kernel made the
-call slower: GEMM1 before GEMM2 cost mixtral-8x7b 5-10 µs at M = 1 (split-K, bn 128, 1 CTA per
-SM), the expert-major GEMM1 cost deepseek-v3 16-126 µs, and the zeroing of a 58 MB output at
-M = 2048 a few µs, where the dependents' programs sat resident on the SMs, waiting.
+Why the second rule: an early launch before a long kernel makes the call slower, since the
+dependents' programs sit resident on the SMs, waiting, while the long kernel still needs them
+(GEMM1 before GEMM2, the expert-major GEMM1, the zeroing of a large output); before a short
+kernel it saves the launch (docs/kernel.md has the measurements).
 
 A kernel launched without PDL (torch's, the user's) follows the whole previous kernel as usual,
 and a kernel that is not preceded by a PDL-aware one simply waits for nothing, so a chain can
@@ -38,19 +37,14 @@ when launched without it; the Triton interpreter and GPUs before sm_90 never use
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import torch
 
+from moekit.kernels.backend import HAVE_TRITON, interpreting, tl, triton
 from moekit.kernels.occupancy import capability, sm_count
+from moekit.kernels.plan import DEFAULT_PLAN, PDL_EARLY_ROLES, PDL_ROLES, LaunchPlan
 
-try:  # Triton is optional: the package imports without it, the kernels need it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = tl = None
-    HAVE_TRITON = False
 
 def enabled_by(environ) -> bool:
     """Whether ``environ``'s ``MOEKIT_PDL`` leaves PDL on: unset, ``1``/``on``/``true``/``yes``
@@ -63,29 +57,31 @@ def enabled_by(environ) -> bool:
     raise ValueError(f"MOEKIT_PDL must be 1/on/true/yes or 0/off/false/no, got {environ['MOEKIT_PDL']!r}")
 
 
-# The switch: False launches every kernel as before (to measure one against the other, or to run
-# under a tool that does not follow PDL): MOEKIT_PDL=0 in the environment, or set it at run time.
+# The environment's choice, what ``LaunchPlan(pdl=None)`` (the default) follows: MOEKIT_PDL=0 turns
+# PDL off (to run under a tool that does not follow it); a plan with pdl=True / False decides itself.
 ENABLED = enabled_by(os.environ)
-# Per kernel role, whether its dependents may launch at its start (the second rule): a table, not
-# constants in the kernels, so that benchmarks/gpu/pdl_ab.py can measure each choice. The GEMM1s
-# never do: a GEMM2 follows them, no short kernel (the measurements above).
-EARLY = {"zero": True, "quant": True, "gemm1": False, "gemm2": True, "fused": True}
+# The default per kernel role of whether its dependents may launch at its start (the second rule),
+# read-only: a caller chooses its own with ``LaunchPlan(pdl_early=...)``.
+EARLY = MappingProxyType({role: role in PDL_EARLY_ROLES for role in PDL_ROLES})
 _BLOCK = 1024  # elements per program of the fill and cast kernels
 
 
-def pdl_on(device: torch.device) -> bool:
-    """Whether the kernels of a call on ``device`` launch with PDL: :data:`ENABLED`, a CUDA
-    device of compute capability 9.0 or newer, and not Triton's interpreter."""
-    from moekit.kernels.quant import interpreting  # (quant imports this module)
+def pdl_on(device: torch.device, plan: LaunchPlan = DEFAULT_PLAN) -> bool:
+    """Whether the kernels of a call on ``device`` launch with PDL: ``plan.pdl`` (None:
+    :data:`ENABLED`), a CUDA device of compute capability 9.0 or newer, and not Triton's
+    interpreter."""
+    wanted = ENABLED if plan.pdl is None else plan.pdl
+    return wanted and device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
 
-    return ENABLED and device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
 
-
-def early(role: str, pdl: bool, grid: int, device: torch.device) -> bool:
-    """The ``EARLY`` constexpr of a kernel of ``role`` (a key of :data:`EARLY`) launched with or
-    without PDL over ``grid`` programs: its role allows it and the grid is at most one program
-    per SM. False without PDL (the trigger is then a no-op: keep a single binary)."""
-    return pdl and EARLY[role] and grid <= sm_count(device)
+def early(role: str, pdl: bool, grid: int, device: torch.device, plan: LaunchPlan = DEFAULT_PLAN) -> bool:
+    """The ``EARLY`` constexpr of a kernel of ``role`` (one of ``PDL_ROLES``; another is a
+    KeyError) launched with or without PDL over ``grid`` programs: ``plan.pdl_early`` has its
+    role and the grid is at most one program per SM. False without PDL (the trigger is then a
+    no-op: keep a single binary)."""
+    if role not in EARLY:
+        raise KeyError(role)
+    return pdl and role in plan.pdl_early and grid <= sm_count(device)
 
 
 def launch_options(pdl: bool) -> dict:
@@ -132,23 +128,23 @@ if HAVE_TRITON:
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok).to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(shape: tuple, dtype: torch.dtype, device: torch.device, plan: LaunchPlan = DEFAULT_PLAN) -> torch.Tensor:
     """``torch.zeros(shape)``; under PDL a kernel that keeps the rules above (torch's fill is
     not launched with PDL, so the kernel after it could not start early)."""
-    if not pdl_on(device):
+    if not pdl_on(device, plan):
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.numel():
         grid = triton.cdiv(t.numel(), _BLOCK)
-        _fill_zero_kernel[(grid,)](t, t.numel(), BLOCK=_BLOCK, PDL=True, EARLY=early("zero", True, grid, device),
+        _fill_zero_kernel[(grid,)](t, t.numel(), BLOCK=_BLOCK, PDL=True, EARLY=early("zero", True, grid, device, plan),
                                    **launch_options(True))
     return t
 
 
-def cast(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast(src: torch.Tensor, dtype: torch.dtype, plan: LaunchPlan = DEFAULT_PLAN) -> torch.Tensor:
     """``src.to(dtype)`` of a contiguous ``src``; under PDL a kernel launched with it, waiting for
     the kernel that wrote ``src``."""
-    if src.dtype == dtype or not pdl_on(src.device):
+    if src.dtype == dtype or not pdl_on(src.device, plan):
         return src.to(dtype)
     if not src.is_contiguous():
         raise ValueError("cast needs a contiguous tensor")

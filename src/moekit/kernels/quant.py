@@ -16,42 +16,29 @@ Triton's CPU interpreter.
 
 The interpreter (TRITON_INTERPRET=1, Triton 3.6) converts float32 to float8 wrongly: it drops
 the extra mantissa bits and, with round-to-nearest-even, adds the rounding bit without carrying
-it into the exponent (31.6 becomes 16, not 32; measured here). :func:`_e4m3_round` therefore
+it into the exponent (31.6 becomes 16, not 32). :func:`_e4m3_round` therefore
 rounds to the e4m3 grid in float32 arithmetic first when ``SOFT_ROUND`` is set (only while
 interpreting); the cast of an exactly representable value is then exact. The GPU uses the
 hardware conversion (``cvt.rn.satfinite``), which needs no help. ``tl.dot`` on fp8 operands is
 correct in the interpreter (it widens them to float16, which holds every e4m3 value, and
 accumulates in float32), so the fp8 dots themselves need no switch.
 
-The same :func:`_quantize_tile` helper re-quantizes the SwiGLU output inside the fused MoE
-kernels (fused_moe.py), so the activation and intermediate quantizations cannot drift apart.
+The same :func:`quantize_tile` helper re-quantizes the SwiGLU output inside the fused MoE
+kernels (``tiles.store_act`` and the fused form), so the activation and intermediate
+quantizations cannot drift apart.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from moekit.kernels.backend import HAVE_TRITON, check_device, interpreting, require_triton, tl, triton
 from moekit.kernels.pdl import early, launch_options, pdl_on
-
-try:  # Triton is optional: the package imports without it, the kernels need it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = tl = None
-    HAVE_TRITON = False
+from moekit.kernels.plan import DEFAULT_PLAN, LaunchPlan
 
 FP8_GROUP = 128  # activation group width and weight block size (DeepSeek-V3's 1x128 / 128x128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; keep equal to moekit.fp8.FP8_MAX
 MIN_AMAX = 1e-4  # keep equal to moekit.fp8._MIN_AMAX: an all-zero group must not get scale 0
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if HAVE_TRITON:
@@ -83,14 +70,14 @@ if HAVE_TRITON:
         return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quantize_tile(v, SOFT_ROUND: tl.constexpr):
+    def quantize_tile(v, SOFT_ROUND: tl.constexpr):
         """One e4m3 group per row of float32 ``v`` [R, 128]: (q [R, 128] fp8, scale [R] float32)."""
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
         # A zero's quotient is that zero (sign and all). The correctly rounded division checks its
         # operands (FCHK on sm_90) and calls a slow subroutine for some, and the rows of a token
         # block past its tokens are all zeros: dividing a one in their place and keeping the zero
-        # took the decode kernel's re-quantizing epilogue from 3.8 to 1.8 µs on an H200.
+        # keeps the re-quantizing epilogues off that subroutine.
         zero = v == 0.0
         q = tl.math.div_rn(tl.where(zero, 1.0, v), tl.broadcast_to(scale[:, None], v.shape))
         q = tl.where(zero, v, q)
@@ -112,23 +99,23 @@ if HAVE_TRITON:
         row_ok = rows < M
         rows64 = rows.to(tl.int64)
         v = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
-        q, scale = _quantize_tile(v.to(tl.float32), SOFT_ROUND)
+        q, scale = quantize_tile(v.to(tl.float32), SOFT_ROUND)
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=row_ok[:, None])
         tl.store(s_ptr + rows64 * stride_sm + g, scale, mask=row_ok)
 
 
-def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_triton(x: torch.Tensor, plan: LaunchPlan = DEFAULT_PLAN) -> tuple[torch.Tensor, torch.Tensor]:
     """x[M, H] (float16/bfloat16/float32, H a multiple of 128) -> (q[M, H] e4m3, scales[M, H/128]).
 
-    Equal, bit for bit, to ``moekit.fp8.quantize_groups(x, 128)``.
+    Equal, bit for bit, to ``moekit.fp8.quantize_groups(x, 128)``. ``plan``: its PDL fields.
     """
-    if not HAVE_TRITON:
-        raise RuntimeError("moekit.kernels needs Triton: pip install 'moekit[triton]'")
+    require_triton()
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be a 2-D float16/bfloat16/float32 tensor [M, H], got {tuple(x.shape)} {x.dtype}")
     M, H = x.shape
     if H % FP8_GROUP:
         raise ValueError(f"x's hidden size H={H} must be a multiple of {FP8_GROUP} for FP8 groups")
+    check_device(x.device)
     x = x.contiguous()
     q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(M, H // FP8_GROUP, dtype=torch.float32, device=x.device)
@@ -136,9 +123,9 @@ def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return q, scales
     bm = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, bm), H // FP8_GROUP)
-    on = pdl_on(x.device)
+    on = pdl_on(x.device, plan)
     _quantize_groups_kernel[grid](x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
                                   BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on,
-                                  EARLY=early("quant", on, grid[0] * grid[1], x.device), num_warps=4,
+                                  EARLY=early("quant", on, grid[0] * grid[1], x.device, plan), num_warps=4,
                                   **launch_options(on))
     return q, scales

@@ -257,8 +257,8 @@ def _kernels(device: torch.device):
     import moekit.kernels as kernels
 
     if device.type == "cpu":
-        module = sys.modules["moekit.kernels.fused_moe"]
-        kernel = getattr(module, "_gemm1_swiglu_kernel", None)
+        module = sys.modules["moekit.kernels.token_kernels"]
+        kernel = getattr(module, "gemm1_swiglu_kernel", None)
         if kernel is not None and type(kernel).__name__ != "InterpretedFunction":
             raise RuntimeError(
                 "moekit.kernels was imported without TRITON_INTERPRET=1, so its kernels cannot run on "

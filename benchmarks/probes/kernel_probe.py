@@ -13,7 +13,7 @@ Part 2, large M (M = 4096, beta 1.0, every shape): a few bm = 128 configs and th
 `torch._grouped_mm` baseline; TFLOP/s and percent of the measured matmul rate.
 
 Usage (device machine, repo root):
-    PYTHONPATH=src python3 benchmarks/gpu/kernel_probe.py --out $OUT/probe.json
+    PYTHONPATH=src python3 benchmarks/probes/kernel_probe.py --out $OUT/probe.json
 """
 
 from __future__ import annotations

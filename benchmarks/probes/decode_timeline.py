@@ -1,9 +1,9 @@
 """Developer probe: where the persistent decode kernel's time goes, from timestamps its programs
-write (``fused_moe.PERSISTENT_STAMPS``), and the call's time under settings of the kernel
-module toggled in the same process (not the dataset).
+write (``LaunchPlan.stamps``), and the call's time under other launch plans in the same process
+(not the dataset).
 
 Per (shape, M, beta) point, for each case of CASES (a precision, a decode-schedule config and a
-setting of SETTINGS):
+launch plan of SETTINGS):
 
 * the call's median µs as the bench times it (CUDA-graph replay, 256 MB L2 flush before each,
   median of ``--iters``; two interleaved rounds, the lower kept);
@@ -16,13 +16,11 @@ setting of SETTINGS):
 Each FP8 case's output is compared with the first FP8 case's (relative Frobenius error; the
 settings change the float32 summation order where they change the reduction's shares).
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/decode_timeline.py [--out F]
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/decode_timeline.py [--out F]
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import statistics
 import time
 
@@ -36,15 +34,15 @@ POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 4, 0.25), ("qwen3-30b-a3b
           ("olmoe-1b-7b", 4, 0.5), ("olmoe-1b-7b", 16, 0.25), ("deepseek-v3-ep32", 16, 0.25))
 # The decode-schedule config of the bf16 dataset's winners at these points (b7236b5).
 BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
-# Module settings toggled per case (``fused_moe``'s names). ``last``: a split FP8 phase-1 tile
-# summed by the share that arrives last (as before 4f5d68e) instead of by every share. Measured
-# and dropped at earlier commits (README of benchmarks/results/h200-decode-timeline): the barrier
-# polling with an acquire load, 1/3/4 CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step,
-# PERSISTENT_MAX_SPLITS = 4, the wider GEMM2 chunk for bf16, the FP8 chunk as before 2026-11-24,
-# phase 1 as stream-K, the 16-bit decode dots cut into shorter independent chains, the shared
-# fix-up for 16-bit tiles and with 8 row blocks. To compare two versions of the kernels, run this
-# probe once per version (PYTHONPATH) in one device call.
-SETTINGS = {"base": {}, "last": {"PERSISTENT_SHARED_FIXUP": False}}
+# LaunchPlan fields per case (moekit.kernels.plan). ``last``: a split FP8 phase-1 tile summed by
+# the share that arrives last instead of by every share. Measured and dropped at earlier commits
+# (README of benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load,
+# 1/3/4 CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step, persistent_max_splits = 4, the
+# wider GEMM2 chunk for bf16, the narrower FP8 chunk, phase 1 as stream-K, the 16-bit decode dots
+# cut into shorter independent chains, the shared fix-up for 16-bit tiles and with 8 row blocks.
+# To compare two versions of the kernels, run this probe once per version (PYTHONPATH) in one
+# device call.
+SETTINGS = ("base", "last")
 # (label, precision, config, setting)
 CASES = [("bf16", "bf16", BF16_CONFIG, "base")]
 CASES += [(f"fp8 s{s}{'-x' if x else ''}", "fp8", f"T-bm16-bn128-bk128-w4-s{s}-g1-k1{'-x' if x else ''}", "base")
@@ -53,23 +51,12 @@ CASES += [("fp8 s3-x last", "fp8", "T-bm16-bn128-bk128-w4-s3-g1-k1-x", "last")]
 STAMP_ROWS = 8 * 1024  # programs the stamp buffer has room for
 
 
-def _module():
-    return importlib.import_module("moekit.kernels.fused_moe")  # (moekit.kernels.fused_moe is the function)
+def plan_of(setting: str, stamps: torch.Tensor | None = None):
+    """The LaunchPlan of a setting of SETTINGS, with the stamp buffer (None: no stamps)."""
+    from moekit.kernels import FixupPlan, LaunchPlan
 
-
-@contextlib.contextmanager
-def settings(values: dict, stamps: torch.Tensor | None = None):
-    """The kernel module with ``values`` (and the stamp buffer) set, restored on exit."""
-    fm = _module()
-    values = {**values, "PERSISTENT_STAMPS": stamps}
-    saved = {k: getattr(fm, k) for k in values}
-    for k, v in values.items():
-        setattr(fm, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(fm, k, v)
+    fields = {"base": {}, "last": {"fixup_fp8": FixupPlan(shared=False, row_blocks=4)}}[setting]
+    return LaunchPlan(**fields, stamps=stamps)
 
 
 def _inputs(shape, M: int, beta: float, dev):
@@ -99,8 +86,7 @@ def _warm(task) -> str | None:
         ids, w = warm_routing(small.top_k, 1)
         stamps = torch.zeros(STAMP_ROWS * 8, dtype=torch.int64, device="cuda")
         for st in (None, stamps):
-            with settings(SETTINGS[setting], st):
-                fused_moe(x, w13, w2, ids, w, config_of(cid), **kw)
+            fused_moe(x, w13, w2, ids, w, config_of(cid), **kw, plan=plan_of(setting, st))
     return warm_error(f"{shape_name} {cid} fp8={fp8} {setting}", launch)
 
 
@@ -172,15 +158,17 @@ def main() -> None:
         for label, prec, cid, st in CASES:
             w13, w2, kw = q if prec == "fp8" else bf16
             cfg = config_of(cid)
-            runs[label] = (lambda w13=w13, w2=w2, kw=kw, cfg=cfg: fused_moe(x, w13, w2, ids, w, cfg, **kw)), st
+
+            def call(stamps=None, w13=w13, w2=w2, kw=kw, cfg=cfg, st=st):
+                return fused_moe(x, w13, w2, ids, w, cfg, **kw, plan=plan_of(st, stamps))
+            runs[label] = call, st
         for _ in range(2):  # two interleaved rounds; the lower median is kept
             for label, (run, st) in runs.items():
-                with settings(SETTINGS[st]):
-                    try:
-                        t = median_us(run, flusher, args.iters)
-                    except Exception as error:  # noqa: BLE001
-                        errors.append(f"{name} M={M} {label}: {type(error).__name__}: {str(error)[:200]}")
-                        continue
+                try:
+                    t = median_us(run, flusher, args.iters)
+                except Exception as error:  # noqa: BLE001
+                    errors.append(f"{name} M={M} {label}: {type(error).__name__}: {str(error)[:200]}")
+                    continue
                 us[label] = round(min(t, us.get(label, t)), 2)
         for label, prec, cid, st in CASES:
             if label not in us:
@@ -189,17 +177,15 @@ def main() -> None:
             work = point_work(shape, ids.cpu(), 1 if prec == "fp8" else 2)
             row = dict(shape=name, M=M, beta=beta, case=label, precision=prec, config=cid, setting=st,
                        touched=work["touched_experts"], weight_bytes=work["weight_bytes"], us=us[label])
-            with settings(SETTINGS[st]):
-                y = run().double()
+            y = run().double()
             if prec not in reference:
                 reference[prec] = y
             else:
                 row["rel_to_first"] = ((y - reference[prec]).norm() / reference[prec].norm()).item()
-            with settings(SETTINGS[st], stamps):
-                try:
-                    row["timeline"] = timeline(run, flusher, stamps, args.replays)
-                except Exception as error:  # noqa: BLE001
-                    errors.append(f"{name} M={M} {label} stamped: {type(error).__name__}: {str(error)[:200]}")
+            try:
+                row["timeline"] = timeline(lambda run=run: run(stamps), flusher, stamps, args.replays)
+            except Exception as error:  # noqa: BLE001
+                errors.append(f"{name} M={M} {label} stamped: {type(error).__name__}: {str(error)[:200]}")
             if "rel_to_first" in row and "timeline" in row:
                 del row["timeline"]["raw"]  # (kept for the first case of each precision)
             rows.append(row)

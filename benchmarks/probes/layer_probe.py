@@ -11,7 +11,7 @@ Each variant's forward (routing given, uniform, new per T) is captured in one CU
 its replays are timed with ``moekit.bench.timing.time_distributed`` (ranks aligned before each
 iteration, CUDA events, the slowest rank per iteration), median and p95 of ``--iters``.
 
-    PYTHONPATH=src:. python3 benchmarks/gpu/layer_probe.py [--shape qwen3-30b-a3b] [--tokens 1 16 128]
+    PYTHONPATH=src:. python3 benchmarks/probes/layer_probe.py [--shape qwen3-30b-a3b] [--tokens 1 16 128]
 """
 
 from __future__ import annotations

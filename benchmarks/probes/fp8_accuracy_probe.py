@@ -8,7 +8,7 @@ config (warpgroup MMA, unswapped). Prints the worst relative error per variant a
 reference that re-quantizes the intermediate as the kernels do, and the worst ``calc_diff``
 against the plain dequantized reference (the issue's bound, 1e-3).
 
-    PYTHONPATH=src:. python3 benchmarks/gpu/fp8_accuracy_probe.py [draws]
+    PYTHONPATH=src:. python3 benchmarks/probes/fp8_accuracy_probe.py [draws]
 """
 
 from __future__ import annotations

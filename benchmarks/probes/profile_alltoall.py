@@ -2,7 +2,7 @@
 
 Prints: bare NCCL all_to_all_single of the same bytes (the floor of this path), the
 dispatcher's dispatch and combine, and a torch.profiler table of one rank's dispatch.
-Run: PYTHONPATH=src:. python3 benchmarks/gpu/profile_alltoall.py
+Run: PYTHONPATH=src:. python3 benchmarks/probes/profile_alltoall.py
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ probe times, interleaved in one process (A B C ... per round, so clock drift can
 
 * the whole call of a few large-tile configs with this tree's ``fused_moe``, each also with
   GEMM2's tile widened (``bn2``);
-* the same base configs with an earlier ``fused_moe.py`` (``--baseline-file``), to tell a
-  code change from machine variation;
 * the ``torch._grouped_mm`` baseline the bench compares with;
 
 then the per-kernel GPU time of each variant from the CUDA profiler (GEMM1, GEMM2, the
@@ -15,10 +13,10 @@ alignment, zeroing and cast), and the relative error of every variant against th
 Timing as the bench: CUDA-graph replay, L2 flushed before each replay, median of --iters,
 then the median over --rounds.
 
+To tell a code change from machine variation, run it once per checkout in one device call.
+
 Usage (device machine, repo root):
-    git show <sha>:src/moekit/kernels/fused_moe.py > benchmarks/gpu/old_fused_moe.py   # here
-    PYTHONPATH=src python3 benchmarks/gpu/large_m_probe.py --baseline-file benchmarks/gpu/old_fused_moe.py \
-        --out $OUT/large-m.json
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/large_m_probe.py --out $OUT/large-m.json
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import time
 from dataclasses import replace
 
 import torch
-from ab_kernel import load_baseline
 from probe_common import ceilings_and_flusher, expert_weights, median_us, write_result
 
 from moekit.bench.kernel import bench_shape, config_id, point_routing, point_work
@@ -65,7 +62,6 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline-file", default=None, help="an earlier fused_moe.py, timed with the base configs")
     p.add_argument("--bn2", type=int, nargs="+", default=[256])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -74,7 +70,6 @@ def main() -> int:
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
     ceilings, flusher = ceilings_and_flusher(dev)
-    old = load_baseline(args.baseline_file) if args.baseline_file else None
     rows, last = [], None
     for name, M, beta in POINTS:
         s = bench_shape(name)
@@ -90,8 +85,6 @@ def main() -> int:
         ref = base_fn().float()
         variants = {f"torch-{impl}": base_fn}
         for c in BASES:
-            if old is not None:
-                variants[f"old {config_id(c)}"] = lambda c=c: old(x, w13, w2, ids, tw, c)
             variants[config_id(c)] = lambda c=c: fused_moe(x, w13, w2, ids, tw, c)
             for bn2 in args.bn2:
                 c2 = replace(c, bn2=bn2)

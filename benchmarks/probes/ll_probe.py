@@ -13,7 +13,7 @@ queued ahead of the GPU, slowest rank, median):
   its module knobs set (the put splits); variants are interleaved over ``--rounds``;
 * the in-kernel phase stamps of the current transport at T = 1 and 128 (medians).
 
-    PYTHONPATH=src:. python3 benchmarks/gpu/ll_probe.py [--old old.py] [--out probe.json]
+    PYTHONPATH=src:. python3 benchmarks/probes/ll_probe.py [--old old.py] [--out probe.json]
 """
 
 from __future__ import annotations

@@ -9,15 +9,12 @@ others add into a zeroed float32 copy of the whole layout) is timed as the bench
 (CUDA-graph replay, a 256 MB L2 flush before each, median), in bf16 (bf16 tokens and
 weights) and in FP8 W8A8 (e4m3 tokens + group scales, as the FP8 wire delivers them). Printed
 per (load, precision): the best configs, the default's time and the weight bytes of the
-touched experts over the best time. With ``--old F`` (another commit's expert_major.py, or
-fused_moe.py before the expert-major path had its own module) its ``fused_moe_expert_major``
-with its own default config is timed too (``old-default``), in the same process: the A/B of a
-schedule change. ``--unswapped`` times the default again with FP8's swapped dots off
+touched experts over the best time. (For the A/B of a schedule change, run it once per
+checkout in one device call.) ``--unswapped`` times the default again with FP8's swapped dots off
 (``swap_ab = False``: ``default-unswapped``); ``--profile`` adds the profiler's
-per-kernel GPU µs of the default (and old-default) calls; ``--only-default`` skips the sweep
-over the space.
+per-kernel GPU µs of the default calls; ``--only-default`` skips the sweep over the space.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/expert_major_probe.py [--shape qwen3-30b-a3b] [--old F]
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/expert_major_probe.py [--shape qwen3-30b-a3b]
         [--unswapped] [--profile] [--only-default]
 """
 
@@ -69,17 +66,6 @@ def _inputs(shape, dev, precision: str):
     return dict(tokens=tq, w13=q13, w2=q2, kw=dict(w13_scale=s13, w2_scale=s2, token_scales=ts))
 
 
-def _load_old(path: str):
-    """``fused_moe_expert_major`` of another commit's module (``git show C:src/moekit/kernels/
-    expert_major.py > F``), loaded as its own module next to the current one."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("old_fused_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.fused_moe_expert_major
-
-
 def _warm(task) -> str | None:
     """Compile one config (a tiny call of the real shape) in a pool worker."""
     shape_name, precision, cfg = task
@@ -102,17 +88,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--out", default="expert-major-probe.json")
-    parser.add_argument("--old", help="another commit's src/moekit/kernels/expert_major.py, timed as old-default")
     parser.add_argument("--unswapped", action="store_true", help="time the default with swap_ab = False too")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU µs of the default calls")
-    parser.add_argument("--only-default", action="store_true", help="time the default (and old) only")
+    parser.add_argument("--only-default", action="store_true", help="time the default only")
     args = parser.parse_args()
     from moekit.bench.kernel import config_id
     from moekit.kernels import expert_major, fused_moe_expert_major
     from moekit.shapes import get_shape
 
     t0 = time.perf_counter()
-    old = _load_old(args.old) if args.old else None
     dev = torch.device("cuda")
     shape = get_shape(args.shape)
     configs = {p: [] if args.only_default else _configs(shape, dt) for p, dt in (("bf16", torch.bfloat16), ("fp8", FP8))}
@@ -137,28 +121,20 @@ def main() -> None:
             def default_call():
                 return fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
             calls = {"default": default_call}
-            if old is not None:
-                calls["old-default"] = lambda: old(inp["tokens"], counts, inp["w13"], inp["w2"], None, **inp["kw"])
-                try:
-                    times["old-default"] = median_us(calls["old-default"], flusher, args.iters)
-                except Exception as error:  # noqa: BLE001
-                    errors.append(f"{precision} {name} old-default: {type(error).__name__}: {str(error)[:200]}")
             if args.unswapped and precision == "fp8":
                 unswapped = replace(expert_major.expert_major_default(WORLD * MAX_M, True), swap_ab=False)
                 times["default-unswapped"] = median_us(
                     lambda: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], unswapped,
                                                    **inp["kw"]), flusher, args.iters)
             kernels = {label: kernel_breakdown(fn, flusher) for label, fn in calls.items()} if args.profile else {}
-            ranked = sorted((us, cid) for cid, us in times.items() if cid not in ("old-default",)
-                            and not cid.startswith("default"))
+            ranked = sorted((us, cid) for cid, us in times.items() if not cid.startswith("default"))
             best_us, best = ranked[0] if ranked else (times["default"], "default")
             gbps = touched * per_expert * elem[precision] / (best_us * 1e3)
             rows.append(dict(load=name, T=T, zipf=zipf, precision=precision, rows=int(counts.sum()),
                              max_rows=int(counts.max()), touched=touched, times=times, kernels=kernels))
             print(f"{precision:4s} {name:13s} rows {int(counts.sum()):5d} (max {int(counts.max()):3d}) "
                   f"experts {touched:3d}: best {best} {best_us:7.1f} us ({gbps:6.0f} GB/s = "
-                  f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us "
-                  f"(old {times.get('old-default', float('nan')):7.1f}); "
+                  f"{100 * gbps / ceilings['hbm_gbps']:4.1f} % of copy), default {times.get('default', float('nan')):7.1f} us; "
                   f"next: " + ", ".join(f"{c} {u:.1f}" for u, c in ranked[1:4]), flush=True)
             if "default-unswapped" in times:
                 print(f"    default with swap_ab = False: {times['default-unswapped']:7.1f} us")

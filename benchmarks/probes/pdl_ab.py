@@ -1,9 +1,10 @@
 """Developer probe: the fused MoE calls with and without programmatic dependent launch
 (``moekit.kernels.pdl``), in the same process, interleaved (off, on, off, on, ...).
 
-``--variants`` names the launch modes compared: ``off`` (PDL off), ``on`` (PDL with the
-library's ``pdl.EARLY`` table), ``on-ROLE[+ROLE...]`` (PDL, those roles' kernels not letting
-their dependents launch at their start) and ``on+ROLE[+ROLE...]`` (PDL, only those roles early).
+``--variants`` names the launch modes compared, each a ``LaunchPlan``: ``off`` (PDL off), ``on``
+(PDL with the library's ``pdl.EARLY`` table), ``on-ROLE[+ROLE...]`` (PDL, those roles' kernels
+not letting their dependents launch at their start) and ``on+ROLE[+ROLE...]`` (PDL, only those
+roles early).
 The first variant is the reference the others are compared and checked against.
 
 * bf16 (``--bf16``): every M <= 16 point of the bf16 dataset (``--table``, by default
@@ -12,7 +13,7 @@ The first variant is the reference the others are compared and checked against.
   the best µs of each variant and its % of the measured HBM copy rate over the bytes the call
   must move (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be
   read.
-* FP8 (``--fp8``): the decode points of fp8_decode_probe.py with its winning configs.
+* FP8 (``--fp8``): FP8 decode points with the FP8 decode configs that won them (docs/kernel.md).
 * large M (``--large``): the token path at M = 256 and 2048 (uniform routing) with the config
   ``fused_moe`` picks itself, bf16 and FP8: its kernel grids span several waves.
 * expert-major (``--em``): ``fused_moe_expert_major``'s default config at the loads of
@@ -24,7 +25,7 @@ the rounds. Where the call is deterministic (the decode schedule, the expert-maj
 outputs of every variant must equal the first's bit for bit; elsewhere (float32 atomics) within
 1e-2. ``--profile`` adds the per-kernel GPU µs of each point's best config under each variant.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/pdl_ab.py --bf16 --fp8 --em \
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/pdl_ab.py --bf16 --fp8 --em \
         [--variants off on on-gemm1] [--out F]
 """
 
@@ -54,37 +55,25 @@ def deterministic(c) -> bool:
     return c.form == "two_launch" and c.split_k == 1
 
 
-class Pdl:
-    """``with Pdl(variant):`` runs in a launch mode of ``--variants`` (restored on exit)."""
+def variant_plan(variant: str):
+    """The LaunchPlan of a launch mode of ``--variants``."""
+    from moekit.kernels import LaunchPlan, pdl
 
-    def __init__(self, variant: str):
-        from moekit.kernels import pdl
-
-        self.on = variant != "off"
-        self.early = dict(pdl.EARLY)
-        if variant.startswith("on-"):
-            self.early.update({role: False for role in variant[3:].split("+")})
-        elif variant.startswith("on+"):
-            only = variant[3:].split("+")
-            self.early = {role: role in only for role in self.early} | {role: True for role in only}
-        elif variant not in ("on", "off"):
-            raise ValueError(f"unknown variant {variant!r}")
-        unknown = set(self.early) - set(pdl.EARLY)
-        if unknown:
-            raise ValueError(f"unknown kernel roles {sorted(unknown)} (pdl.EARLY has {sorted(pdl.EARLY)})")
-
-    def __enter__(self):
-        from moekit.kernels import pdl
-
-        self.saved = pdl.ENABLED, dict(pdl.EARLY)
-        pdl.ENABLED = self.on
-        pdl.EARLY.update(self.early)
-
-    def __exit__(self, *exc):
-        from moekit.kernels import pdl
-
-        pdl.ENABLED = self.saved[0]
-        pdl.EARLY.update(self.saved[1])
+    early = {role for role, on in pdl.EARLY.items() if on}
+    if variant.startswith("on-"):
+        roles = set(variant[3:].split("+"))
+        early -= roles
+    elif variant.startswith("on+"):
+        roles = set(variant[3:].split("+"))
+        early = roles
+    elif variant in ("on", "off"):
+        roles = set()
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    unknown = roles - set(pdl.EARLY)
+    if unknown:
+        raise ValueError(f"unknown kernel roles {sorted(unknown)} (pdl.EARLY has {sorted(pdl.EARLY)})")
+    return LaunchPlan(pdl=variant != "off", pdl_early=early)
 
 
 def _fp8_weights(w13, w2):
@@ -111,21 +100,20 @@ def warm_config(task) -> str | None:
         ids, w = warm_routing(s.top_k, 16)
         args, kw = ((w13, w2), {}) if not fp8 else (_fp8_weights(w13, w2)[:2], _fp8_weights(w13, w2)[2])
         for v in variants:
-            with Pdl(v):
-                for m in (1, 16):
-                    fused_moe(x[:m], *args, ids[:m], w[:m], config_of(cid), **kw)
+            for m in (1, 16):
+                fused_moe(x[:m], *args, ids[:m], w[:m], config_of(cid), **kw, plan=variant_plan(v))
     return warm_error(f"{shape_name} {cid}", launch)
 
 
 def ab(call, flusher, variants: list[str], rounds: int, iters: int, exact: bool, defined=None) -> dict:
-    """Medians of ``call`` in each variant, interleaved over ``rounds``, and the check of each
+    """Medians of ``call(plan)`` in each variant, interleaved over ``rounds``, and the check of each
     variant's output (``defined(output)``: its specified part, by default all of it) against the
     first's (bitwise where ``exact``, else relative error < 1e-2)."""
     out = {}
+    plans = {v: variant_plan(v) for v in variants}
     for v in variants:
-        with Pdl(v):
-            y = call()
-            out[v] = (defined(y) if defined else y).clone()
+        y = call(plans[v])
+        out[v] = (defined(y) if defined else y).clone()
     ref = out[variants[0]].float()
     checks = {}
     for v in variants[1:]:
@@ -134,8 +122,7 @@ def ab(call, flusher, variants: list[str], rounds: int, iters: int, exact: bool,
     samples = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
-            with Pdl(v):
-                samples[v].append(median_us(call, flusher, iters))
+            samples[v].append(median_us(lambda plan=plans[v]: call(plan), flusher, iters))
     return {"us": {v: statistics.median(t) for v, t in samples.items()}, "rounds": samples,
             "check": "ok" if all(checks.values()) else "MISMATCH " + " ".join(v for v, ok in checks.items() if not ok)}
 
@@ -167,8 +154,8 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
                 c = config_of(cid)
                 row = {"part": "bf16", "shape": name, "M": M, "beta": p["beta"], "config": cid,
                        "dataset_us": dataset_us, "bytes": p["bytes"],
-                       **ab(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher, V, args.rounds, args.iters,
-                            deterministic(c))}
+                       **ab(lambda plan, c=c: fused_moe(x, w13, w2, ids, tw, c, plan=plan), flusher, V,
+                            args.rounds, args.iters, deterministic(c))}
                 rows.append(row)
                 for v in V:
                     if v not in best or row["us"][v] < best[v][0]:
@@ -182,8 +169,8 @@ def run_bf16(args, dev, ceilings, flusher, rows: list) -> None:
             if args.profile:
                 c = config_of(best[V[-1]][1])
                 for v in V:
-                    with Pdl(v):
-                        k = kernel_breakdown(lambda c=c: fused_moe(x, w13, w2, ids, tw, c), flusher)
+                    k = kernel_breakdown(lambda c=c, v=v: fused_moe(x, w13, w2, ids, tw, c, plan=variant_plan(v)),
+                                         flusher)
                     print(f"    kernels {v}: " + ", ".join(f"{n} {us:.1f}" for n, us in k.items()))
     summary = [r for r in rows if r["part"] == "bf16-point"]
     for v in V:
@@ -208,8 +195,8 @@ def run_fp8(args, dev, flusher, rows: list) -> None:
             for cid in FP8_CONFIGS:
                 c = config_of(cid)
                 row = {"part": "fp8", "shape": name, "M": M, "beta": beta, "config": cid,
-                       **ab(lambda c=c: fused_moe(x, q13, q2, ids, tw, c, **kw), flusher, V, args.rounds,
-                            args.iters, deterministic(c))}
+                       **ab(lambda plan, c=c: fused_moe(x, q13, q2, ids, tw, c, **kw, plan=plan), flusher, V,
+                            args.rounds, args.iters, deterministic(c))}
                 rows.append(row)
                 print(f"fp8 {name:17s} M={M:2d} b={beta:4.2f} {cid:34s} {line(row, V)} us {row['check']}",
                       flush=True)
@@ -227,8 +214,8 @@ def run_large(args, dev, flusher, rows: list) -> None:
             x = torch.randn(M, s.hidden, device=dev, dtype=torch.bfloat16)
             r = point_routing(s, M, 1.0, M)
             ids, tw = r.ids.to(dev), r.weights.to(dev)
-            for precision, call in (("bf16", lambda: fused_moe(x, w13, w2, ids, tw)),
-                                    ("fp8", lambda: fused_moe(x, q13, q2, ids, tw, **kw))):
+            for precision, call in (("bf16", lambda plan: fused_moe(x, w13, w2, ids, tw, plan=plan)),
+                                    ("fp8", lambda plan: fused_moe(x, q13, q2, ids, tw, **kw, plan=plan))):
                 row = {"part": "large", "shape": name, "M": M, "precision": precision,
                        **ab(call, flusher, args.variants, args.rounds, args.iters, False)}
                 rows.append(row)
@@ -253,9 +240,9 @@ def run_em(args, dev, flusher, rows: list) -> None:
                 def valid(y, n=n):  # rows past counts[e] are unspecified (fused_moe_expert_major)
                     return torch.cat([y[e, :ne] for e, ne in enumerate(n)])
                 row = {"part": "em", "shape": name, "precision": precision, "load": label,
-                       **ab(lambda: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None,
-                                                           **inp["kw"]), flusher, args.variants, args.rounds,
-                            args.iters, True, valid)}
+                       **ab(lambda plan: fused_moe_expert_major(inp["tokens"], counts, inp["w13"], inp["w2"], None,
+                                                                **inp["kw"], plan=plan), flusher, args.variants,
+                            args.rounds, args.iters, True, valid)}
                 rows.append(row)
                 print(f"em {name:17s} {precision} {label:13s} {line(row, args.variants)} us {row['check']}",
                       flush=True)
@@ -280,7 +267,7 @@ def main() -> None:
     p.add_argument("--out", default="pdl-ab.json")
     args = p.parse_args()
     for v in args.variants:
-        Pdl(v)  # unknown variants fail here, before any compile
+        variant_plan(v)  # unknown variants fail here, before any compile
     t0 = time.perf_counter()
     dev = torch.device("cuda", 0)
     ceilings, flusher = ceilings_and_flusher(dev)

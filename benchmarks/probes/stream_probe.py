@@ -20,7 +20,7 @@ of each way and its % of the measured HBM copy rate over the bytes the call must
 dataset's "hbm%", issue 4's goal of >= 70 % at M <= 16), and the count of points at >= 70 %
 each way. It reports and does not redefine: the dataset's number is ``alone``.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/stream_probe.py [--table T] [--out F]
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/stream_probe.py [--table T] [--out F]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ two outputs over the configs (the price in accuracy of the warpgroup MMA's reduc
 FP8 sums; tests/kernels/test_kernels_fp8.py bounds it against float64 references).
 ``--profile`` adds the profiler's per-kernel GPU µs of the default config each way.
 
-    PYTHONPATH=src:benchmarks/gpu python3 benchmarks/gpu/fp8_token_probe.py [--shapes ...] [--out F]
+    PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/fp8_token_probe.py [--shapes ...] [--out F]
 """
 
 from __future__ import annotations
