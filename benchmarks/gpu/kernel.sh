@@ -19,7 +19,7 @@
 # Each part stops starting new (shape, M) groups at --deadline-s (default 540 s after the
 # bench starts) and writes what it measured; the groups it skipped are listed as NOT
 # MEASURED at the end of the log: rerun those with `custom`. Afterwards, on any machine:
-#   python3 -m moekit.bench.kernel --merge part*/kernel-*-table.json.gz --out-dir benchmarks/results/h200-kernel
+#   python3 -m moekit.bench.kernel --merge part*/kernel-*-table.json.gz --out-dir benchmarks/results/kernel-nvidia-h200
 # Files under $OUT (at most 6): log.txt, the summary JSON, the -table.json.gz, two PNGs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -36,7 +36,7 @@ POINTS = (("qwen3-30b-a3b", 1, 1.0), ("qwen3-30b-a3b", 4, 0.25), ("qwen3-30b-a3b
 BF16_CONFIG = "T-bm16-bn32-bk256-w4-s3-g1-k1"
 # LaunchPlan fields per case (moekit.kernels.plan). ``last``: a split FP8 phase-1 tile summed by
 # the share that arrives last instead of by every share. Measured and dropped at earlier commits
-# (README of benchmarks/results/h200-decode-timeline): the barrier polling with an acquire load,
+# (kernel-history.md, the decode timeline): the barrier polling with an acquire load,
 # 1/3/4 CTAs per SM, 2 or 4 scale groups per FP8 phase-1 step, persistent_max_splits = 4, the
 # wider GEMM2 chunk for bf16, the narrower FP8 chunk, phase 1 as stream-K, the 16-bit decode dots
 # cut into shorter independent chains, the shared fix-up for 16-bit tiles and with 8 row blocks.

@@ -8,7 +8,7 @@ roles early).
 The first variant is the reference the others are compared and checked against.
 
 * bf16 (``--bf16``): every M <= 16 point of the bf16 dataset (``--table``, by default
-  benchmarks/results/h200-kernel-51b074d) with its routing, x and weights drawn as the bench
+  benchmarks/results/kernel-nvidia-h200) with its routing, x and weights drawn as the bench
   draws them, and the ``--top`` configs that were fastest there (or ``--configs``). Per point:
   the best µs of each variant and its % of the measured HBM copy rate over the bytes the call
   must move (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be
@@ -39,7 +39,7 @@ import torch
 from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, decode_plan, expert_weights,
                           kernel_breakdown, median_us, point_inputs, warm_error, warm_routing, write_result)
 
-TABLE = "benchmarks/results/h200-kernel-51b074d/kernel-cpu-0x-20261123T053014Z-table.json.gz"
+TABLE = "benchmarks/results/kernel-nvidia-h200/kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz"
 FP8 = torch.float8_e4m3fn
 FP8_POINTS = ((1, 1.0), (16, 1.0), (16, 0.25))
 FP8_SHAPES = ("qwen3-30b-a3b", "deepseek-v3-tp8", "olmoe-1b-7b", "deepseek-v3-ep32")

@@ -34,7 +34,7 @@ from pdl_ab import warm_config
 from probe_common import (ceilings_and_flusher, compile_in_pool, config_of, decode_plan, expert_weights,
                           median_us, point_inputs, write_result)
 
-TABLE = "benchmarks/results/h200-kernel-b7236b5-decode/kernel-cpu-0x-20261124T165106Z-table.json.gz"
+TABLE = "benchmarks/results/kernel-decode-nvidia-h200/kernel-nvidia-h200-1x-20261124T165106Z-table.json.gz"
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")
 
 

@@ -58,7 +58,7 @@ SHAPE = MoEShape("tiny-fp8", num_experts=4, top_k=2, hidden=256, intermediate=25
 # H200 over 60 random draws of ``test_expert_major``'s inputs the worst expert measured 1.9e-2
 # against the emulation (the same, bit for bit, as a bm = 64 config, which takes the warpgroup MMA
 # unswapped) and one draw 2.6e-2, where the mma.sync path of the unswapped bm = 16 kernels stayed
-# under 2e-3 (benchmarks/probes/fp8_accuracy_probe.py; benchmarks/results/h200-expert-major/). Hence
+# under 2e-3 (benchmarks/probes/fp8_accuracy_probe.py; benchmarks/results/kernel-expert-major-nvidia-h200/). Hence
 # 3e-2 there natively, also between the swapped and the unswapped kernels. (The token path's
 # float32-output checks passed natively under 1e-2 at 94b25c6, where every bm < 64 config swapped.)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
