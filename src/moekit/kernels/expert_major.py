@@ -245,16 +245,16 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
             raise ValueError(f"token_scales is only for {FP8} tokens; the tokens are {tokens.dtype}")
     else:
         no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
-    check_device(tokens.device, "tokens")
     out_dtype = torch.bfloat16 if tokens.dtype == FP8 else tokens.dtype
     if not E * cap:
         return torch.zeros(E, cap, H, dtype=out_dtype, device=tokens.device)
     a = tokens.contiguous().reshape(E * cap, H)
     scales = None
-    if fp8:
+    if fp8:  # quantizing 16/32-bit tokens checks their device itself
         ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
         a, xs = fp8_activations(a, ts, "token_scales", plan)
         scales = (xs, w13_scale, w2_scale)
+    check_device(tokens.device, "tokens")
     if config.form == "two_launch" and config.split_k == 1:
         out = _run_stored(a, w13_local, w2_local, counts.contiguous(), cap, out_dtype, config, scales, plan)
     else:

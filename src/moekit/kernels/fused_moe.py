@@ -146,14 +146,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor of shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)} {topk_weights.dtype}")
-    check_device(x.device)
     K = topk_ids.shape[1]
     out_dtype = torch.bfloat16 if x.dtype == FP8 else x.dtype
     x = x.contiguous()
     scales = None
-    if fp8:
+    if fp8:  # validates x_scale first; quantizing a 16/32-bit x checks its device itself
         x, xs = fp8_activations(x, x_scale, "x_scale", plan)
         scales = (xs, w13_scale, w2_scale)
+    # After every argument check, so that a bad argument is reported as such on any device.
+    check_device(x.device)
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
