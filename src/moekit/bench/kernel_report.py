@@ -39,6 +39,7 @@ import numpy as np
 
 from moekit.bench.report import format_table, new_figure, save_figure, to_jsonable
 from moekit.bench.stats import geomean
+from moekit.jsonfile import read_json
 
 TABLE_FORMAT = "moekit-kernel-table"
 TABLE_VERSION = 1
@@ -79,15 +80,7 @@ def load_table(path: str | Path) -> dict:
     file and what is wrong.
     """
     path = Path(path)
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            table = json.load(f)
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise ValueError(f"{path}: not a gzip file ({error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not gzip-compressed UTF-8 JSON ({error})") from error
+    table = read_json(path, "a kernel table", gzipped=True)
     if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
         raise ValueError(f"{path}: not a {TABLE_FORMAT} file")
     if table.get("version") != TABLE_VERSION:

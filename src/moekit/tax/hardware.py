@@ -12,10 +12,11 @@ is ever executed while loading).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+
+from moekit.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,7 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
     Anything malformed raises ValueError naming the file.
     """
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)  # plain JSON: no code can run while loading
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read hardware file ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, "hardware file")  # plain JSON: no code can run while loading
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
 

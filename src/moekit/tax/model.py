@@ -29,7 +29,6 @@ routing (TP, blockwise padding) or an average over Monte Carlo / traced batches.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from ..jsonfile import read_json
 from ..shapes import MoEShape, get_shape
 from . import comm
 from .bbb import Placement, as_topk_array, expert_counts, loads_from_counts, sample_routing
@@ -586,13 +586,7 @@ def compare(predicted: Iterable[TaxPoint], measured) -> list[dict]:
 
 def _load_measured(path) -> list:
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read measurements ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, "measurements")
     if isinstance(data, dict) and "points" in data:
         data = data["points"]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
