@@ -58,9 +58,10 @@ from moekit.bench.kernel_report import (
     save_table,
     summarize_table,
 )
+from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.report import environment, write_record
 from moekit.bench.stats import summarize
-from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold, time_fn
+from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold
 from moekit.routing import balancedness, expert_counts, synthetic_routing
 from moekit.shapes import MoEShape, get_shape
 
@@ -220,16 +221,12 @@ def _kernels():
 
 
 def config_id(c) -> str:
-    """``T-bm16-bn64-bk128-w4-s4-g1-k4`` (T two_launch, F fused; ``-n256`` when GEMM2 has its
-    own tile, bn2; ``-x`` when FP8's dots are swapped, swap_ab): unique within the space."""
-    form = "F" if c.form == "fused" else "T"
-    wide = f"-n{c.bn2}" if c.bn2 else ""
-    swap = "-x" if c.swap_ab else ""
-    return f"{form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-w{c.num_warps}-s{c.num_stages}-g{c.group_m}-k{c.split_k}{wide}{swap}"
+    """``c.id`` (:attr:`moekit.kernels.KernelConfig.id`), for the scripts that import it from here."""
+    return c.id
 
 
 def config_record(c) -> dict:
-    return {"id": config_id(c), **asdict(c)}
+    return {"id": c.id, **asdict(c)}
 
 
 def selected_configs(shape: BenchShape, cfg: KernelBenchConfig, device: torch.device, dtype: torch.dtype):
@@ -275,35 +272,6 @@ def point_work(shape: BenchShape, ids: torch.Tensor, elem_bytes: int) -> dict:
     weight_bytes = touched * 3 * H * N * elem_bytes
     return {"pairs": pairs, "touched_experts": touched, "tokens_routed": tokens, "weight_bytes": weight_bytes,
             "bytes": weight_bytes + (tokens + M) * H * elem_bytes, "flops": 6 * pairs * H * N}
-
-
-# ------------------------------------------------------------------------------ ceilings
-
-
-def _median_us(fn, device: torch.device, iters: int, warmup: int) -> float:
-    return summarize(time_fn(fn, iters=iters, warmup=warmup, device=device))["median"]
-
-
-def measure_ceilings(device: torch.device, dtype: torch.dtype, copy_bytes: int, matmul_n: int,
-                     iters: int = 20, warmup: int = 5) -> dict:
-    """HBM copy GB/s (bytes read + written) and matmul TFLOP/s (random data), medians.
-
-    Eager calls timed with events: each is long (a 1 GiB copy ~0.5 ms, an 8192^3 product
-    ~1.4 ms on an H200), so the host's launch gap is negligible.
-    """
-    g = torch.Generator(device=device).manual_seed(1)
-    src = torch.randn(copy_bytes // 4, generator=g, device=device)
-    dst = torch.empty_like(src)
-    copy_us = _median_us(lambda: dst.copy_(src), device, iters, warmup)
-    moved = 2 * src.numel() * 4
-    src = dst = None  # free the copy buffers before the matmul's
-    n = matmul_n
-    a = torch.randn(n, n, generator=g, device=device).to(dtype)
-    b = torch.randn(n, n, generator=g, device=device).to(dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-    mm_us = _median_us(lambda: torch.mm(a, b, out=c), device, iters, warmup)
-    return {"hbm_gbps": moved / (copy_us * 1e-6) / 1e9, "copy_bytes": copy_bytes,
-            "matmul_tflops": 2 * n**3 / (mm_us * 1e-6) / 1e12, "matmul_n": n, "matmul_dtype": str(dtype)}
 
 
 # ----------------------------------------------------------------------- time estimate
@@ -408,8 +376,8 @@ def _warm_task(task) -> tuple[str, str | None]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - any compile/launch failure is recorded, not fatal
-        return config_id(cfg), _one_line(error)
-    return config_id(cfg), None
+        return cfg.id, _one_line(error)
+    return cfg.id, None
 
 
 def _one_line(error: BaseException) -> str:
@@ -602,14 +570,14 @@ class KernelBench:
         for s in self.shapes:
             timed, defaults = self.timed_configs(s)
             for c in timed:
-                index.setdefault(config_id(c), len(index))
+                index.setdefault(c.id, len(index))
                 if len(configs) < len(index):
                     configs.append(config_record(c))
             shapes[s.name] = {
                 "num_experts": s.num_experts, "top_k": s.top_k, "hidden": s.hidden, "intermediate": s.intermediate,
                 "routed_experts": s.routed_experts, "space_size": len(self.configs[s.name][0]),
-                "configs": [index[config_id(c)] for c in timed],
-                "default": {str(M): index[config_id(d)] for M, d in defaults.items()},
+                "configs": [index[c.id] for c in timed],
+                "default": {str(M): index[d.id] for M, d in defaults.items()},
             }
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.cfg).items()}
         from moekit.kernels.pdl import pdl_on

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,9 +46,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moekit.bench.perfetto import load_trace
+from moekit.perfetto import load_trace
 from moekit.bench.report import format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
+from moekit.bench.timing import capture_graph, queue_timed
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
 from moekit.ep.dispatcher import weighted_slot_sum
 from moekit.shapes import get_shape
@@ -133,11 +133,10 @@ def _aligner(on_cuda: bool):
     return align
 
 
-# On a GPU the timed loop runs in chunks of QUEUE_CHUNK iterations, each queued behind a
-# QUEUE_SLEEP_CYCLES-cycle sleep kernel (about 4 ms), so the host has queued the whole chunk
-# before the GPU starts it: the events then time the GPU's work, not the host's launch rate.
-QUEUE_CHUNK = 25
-QUEUE_SLEEP_CYCLES = 8_000_000
+# On a GPU the timed iterations are queued ahead of the GPU (moekit.bench.timing.queue_timed)
+# behind a sleep of this many µs per iteration: enough for the host to queue a step's
+# launches, the routing copy included, before the GPU reaches them.
+QUEUE_AHEAD_US = 160.0
 
 
 def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> list[list[float]]:
@@ -145,42 +144,27 @@ def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> lis
     between two calls). Returns, per fn, the slowest rank's µs per iteration, and last the
     slowest rank's sum over the fns.
 
-    Steady state, as in a serving loop: the ranks are aligned once before the timed loop and
-    then run step after step without a barrier; the waits inside the layer keep them in
-    lockstep. (Aligning before every iteration instead adds the barrier's exit skew between
-    ranks, tens of µs on the device VM, to every dispatch.)
+    Steady state, as in a serving loop: the ranks are aligned before the warm-up and again
+    before the timed loop, then run step after step without a barrier; the waits inside the
+    layer keep them in lockstep. (Aligning before every iteration instead adds the barrier's
+    exit skew between ranks, tens of µs on the device VM, to every dispatch.)
 
-    On a GPU the iterations are queued ahead (``QUEUE_CHUNK``): the device VM's host needs
+    On a GPU the iterations are queued ahead (``queue_timed``): the device VM's host needs
     ~10 µs per launch, more than a small step takes on the GPU, and an event recorded before
     a launch the host has not made yet would time the host. A method that syncs with the host
     inside its call (the eager all-to-all) is timed as before: the sleep only delays it."""
     align = _aligner(on_cuda)
-    marks = []
-    for i in range(warmup + iters):
-        bank.write(i)
-        if i == 0 or i == warmup:
-            align()
-        if on_cuda and (i - warmup) % QUEUE_CHUNK == 0:
-            torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
-        if on_cuda:
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
-            e[0].record()
-            for fn, end in zip(fns, e[1:]):
-                fn()
-                end.record()
-        else:
-            e = [time.perf_counter_ns()]
-            for fn in fns:
-                fn()
-                e.append(time.perf_counter_ns())
-        if i >= warmup:
-            marks.append(e)
-    if on_cuda:
-        torch.cuda.synchronize()
-        per_fn = [[m[j].elapsed_time(m[j + 1]) * 1e3 for m in marks] for j in range(len(fns))]
-    else:
-        per_fn = [[(m[j + 1] - m[j]) / 1e3 for m in marks] for j in range(len(fns))]
+    written = [0]
+
+    def next_routing() -> None:
+        bank.write(written[0])
+        written[0] += 1
+
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    align()
+    samples = queue_timed(fns, iters=iters, warmup=warmup, device=device, before_each=next_routing,
+                          after_warmup=align, queue_ahead_us=QUEUE_AHEAD_US)
+    per_fn = samples()
     mine = torch.tensor(per_fn, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -201,8 +185,6 @@ def _graphed(fn, on_cuda: bool):
     """A CUDA graph's replay on a GPU (captured now), ``fn`` itself on the CPU."""
     if not on_cuda:
         return fn
-    from moekit.bench.timing import capture_graph
-
     graph = capture_graph(fn)
     return graph.replay
 
