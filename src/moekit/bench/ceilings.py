@@ -35,16 +35,25 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes:
     if not isinstance(matmul_n, int) or matmul_n < 1:
         raise ValueError(f"matmul_n must be an int >= 1, got {matmul_n!r}")
     gen = torch.Generator(device=device).manual_seed(12345)
-    src = torch.rand(copy_bytes // 4, generator=gen, device=device, dtype=torch.float32)
+    nbytes = copy_bytes // 4 * 4
+    copy_us = _copy_us(device, nbytes, gen, iters, warmup)  # its buffers are freed before the matmul's
+    mm_us = _matmul_us(device, dtype, matmul_n, gen, iters, warmup)
+    return {"hbm_gbps": 2 * nbytes / (copy_us["median"] * 1e-6) / 1e9, "copy_bytes": nbytes,
+            "matmul_tflops": 2 * matmul_n**3 / (mm_us["median"] * 1e-6) / 1e12, "matmul_n": matmul_n,
+            "matmul_dtype": str(dtype), "copy_us": copy_us, "matmul_us": mm_us}
+
+
+def _copy_us(device: torch.device, nbytes: int, gen: torch.Generator, iters: int, warmup: int) -> dict:
+    """Timing summary of reading and writing ``nbytes`` once each (float32, an SM kernel)."""
+    src = torch.rand(nbytes // 4, generator=gen, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy_us = summarize(time_fn(lambda: torch.mul(src, 1.0, out=dst), iters=iters, warmup=warmup, device=device))
-    moved = 2 * src.numel() * 4
-    del src, dst  # free the copy buffers before the matmul's
-    n = matmul_n
+    return summarize(time_fn(lambda: torch.mul(src, 1.0, out=dst), iters=iters, warmup=warmup, device=device))
+
+
+def _matmul_us(device: torch.device, dtype: torch.dtype, n: int, gen: torch.Generator, iters: int,
+               warmup: int) -> dict:
+    """Timing summary of one n x n x n matmul of random data in ``dtype``."""
     a = torch.randn(n, n, generator=gen, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, generator=gen, device=device, dtype=torch.float32).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
-    mm_us = summarize(time_fn(lambda: torch.matmul(a, b, out=c), iters=iters, warmup=warmup, device=device))
-    return {"hbm_gbps": moved / (copy_us["median"] * 1e-6) / 1e9, "copy_bytes": moved // 2,
-            "matmul_tflops": 2 * n**3 / (mm_us["median"] * 1e-6) / 1e12, "matmul_n": n,
-            "matmul_dtype": str(dtype), "copy_us": copy_us, "matmul_us": mm_us}
+    return summarize(time_fn(lambda: torch.matmul(a, b, out=c), iters=iters, warmup=warmup, device=device))

@@ -62,6 +62,7 @@ from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.report import environment, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold
+from moekit.bench.triton_kernels import load_kernels
 from moekit.routing import balancedness, expert_counts, synthetic_routing
 from moekit.shapes import MoEShape, get_shape
 
@@ -208,13 +209,8 @@ def resolve_dtype(cfg: KernelBenchConfig, device: torch.device) -> torch.dtype:
 
 
 def _kernels():
-    """moekit.kernels, imported on first use: without a GPU its kernels must be decorated under
-    Triton's interpreter, so TRITON_INTERPRET is set before the import."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import moekit.kernels as kernels
-
-    return kernels
+    """moekit.kernels for this machine (Triton's interpreter without a GPU); ValueError without Triton."""
+    return load_kernels(what="moekit bench kernel")
 
 
 # ------------------------------------------------------------------------ configs, ids

@@ -315,16 +315,17 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, **figure_kwargs):
+def new_figure(nrows: int = 1, ncols: int = 1, *, subplots: dict | None = None, **figure_kwargs):
     """A matplotlib ``(figure, axes)`` drawn by the Agg backend.
 
-    The figure is made without pyplot, so it needs no display, changes no global
-    backend, and is freed when dropped.
+    ``figure_kwargs`` go to the Figure (e.g. ``figsize``), ``subplots`` to its ``subplots``
+    (e.g. ``squeeze``, ``sharex``, ``gridspec_kw``). The figure is made without pyplot, so it
+    needs no display, changes no global backend, and is freed when dropped.
     """
     Figure, FigureCanvasAgg = _matplotlib()
     figure = Figure(**figure_kwargs)
     FigureCanvasAgg(figure)
-    return figure, figure.subplots(nrows, ncols)
+    return figure, figure.subplots(nrows, ncols, **(subplots or {}))
 
 
 def save_figure(fig, path: str | Path, dpi: int = 150) -> Path:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 def run(args) -> int:
     if args.recompare:  # the model side of a saved --measure record, with other hardware numbers
-        from moekit.tax.measure import format_recompare, recompare
+        from moekit.bench.tax_report import format_recompare, recompare
 
         print(format_recompare(recompare(args.recompare, hbm_bw=args.hbm_bw and args.hbm_bw * 1e9,
                                          peak_flops=args.peak_tflops and args.peak_tflops * 1e12)))
         return 0
-    if args.measure:  # time MoE / DenseFA / DensePA blocks here and check the model (moekit.tax.measure)
-        from moekit.tax.measure import MeasureConfig, format_measure, run_measure
+    if args.measure:  # time MoE / DenseFA / DensePA blocks here and check the model (moekit.bench.tax_measure)
+        from moekit.bench.tax_measure import MeasureConfig, run_measure
+        from moekit.bench.tax_report import format_measure
 
         record = run_measure(MeasureConfig(models=args.model, batch_sizes=args.batch_sizes, hardware=args.hardware,
                                            configs=args.configs, configs_from=args.configs_from, beta=args.beta,
