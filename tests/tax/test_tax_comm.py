@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 
 from moekit.shapes import get_shape
-from moekit.tax.bbb import Placement, sample_routing
 from moekit.tax.comm import (
     allreduce_time,
     alltoall_time,
@@ -13,6 +12,8 @@ from moekit.tax.comm import (
     traffic,
 )
 from moekit.tax.hardware import PRESETS
+from moekit.tax.placement import Placement
+from moekit.tax.topk import sample_routing
 
 
 def test_network_volume_ratio_for_deepseek_v3_on_8_gpus():

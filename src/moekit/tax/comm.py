@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bbb import Placement, as_topk_array, assignment_gpus
 from .hardware import Hardware
+from .placement import Placement, assignment_gpus
+from .topk import as_topk_array
 
 
 def api_volume_ratio(top_k: int) -> float:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bbb import LoadStats, Placement, loads_from_counts
+from .bbb import LoadStats, loads_from_counts
+from .placement import Placement
 
 # --------------------------------------------------------------------------- EPLB
 

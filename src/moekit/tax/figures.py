@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from .bbb import FIG10_CONFIGS, expert_counts, figure10_data, sample_routing, zipf_popularity
+from .bbb import FIG10_CONFIGS, expert_counts, figure10_data
 from .padding import expected_active_experts
+from .topk import sample_routing, zipf_popularity
 
 
 def _pyplot():

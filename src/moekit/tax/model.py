@@ -39,9 +39,11 @@ import numpy as np
 from ..jsonfile import read_json
 from ..shapes import MoEShape, get_shape
 from . import comm
-from .bbb import Placement, as_topk_array, expert_counts, loads_from_counts, sample_routing
+from .bbb import expert_counts, loads_from_counts
 from .hardware import Hardware, get_hardware
 from .padding import expected_active_experts, expected_eta
+from .placement import Placement
+from .topk import as_topk_array, sample_routing
 
 PARALLELISMS = ("TP+TP", "TP+EP", "DP+EP")
 PHASES = ("prefill", "decode")
