@@ -137,7 +137,8 @@ def test_config_ids_are_unique_and_name_the_fields():
     space = config_space(get_shape("mixtral-8x7b"), None) + config_space(get_shape("olmoe-1b-7b"), None)
     ids = {c: c.id for c in space}
     assert len(set(ids.values())) == len(ids)  # one name per distinct config
-    assert KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4).id == "T-bm16-bn64-bk128-w4-s4-g1-k4"
+    two_launch = KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4)
+    assert two_launch.id == "T-bm16-bn64-bk128-w4-s4-g1-k4"
     assert KernelConfig(bm=64, bn=128, bk=64, form="fused", group_m=8).id == "F-bm64-bn128-bk64-w4-s3-g8-k1"
     assert KernelConfig(bm=128, bn2=256).id.endswith("-n256")
     assert KernelConfig(bm=16, bn=128, bk=128, swap_ab=True).id.endswith("-x")
@@ -365,6 +366,18 @@ def test_cpu_refuses_full_shapes_and_bf16():
         KernelBench(KernelBenchConfig(models=("olmoe-1b-7b",)))
     with pytest.raises(ValueError, match="bfloat16 needs a GPU"):
         KernelBench(KernelBenchConfig(models=("olmoe-1b-7b",), hidden=64, intermediate=32, dtype="bfloat16"))
+
+
+def test_cli_defaults_by_device(monkeypatch):
+    from moekit.bench.kernel import CPU_DEFAULTS, build_parser, config_from_args
+
+    args = build_parser().parse_args(["--tiny", "--iters", "5"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = config_from_args(args)
+    assert cpu.iters == 5 and cpu.models == CPU_DEFAULTS["models"] and cpu.m_values == CPU_DEFAULTS["m_values"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = config_from_args(args)
+    assert gpu.models == KernelBenchConfig().models and gpu.betas == KernelBenchConfig().betas and gpu.iters == 5
 
 
 def test_cli_dry_run_and_errors(capsys):

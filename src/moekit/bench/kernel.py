@@ -773,33 +773,55 @@ def write_outputs(table: dict, out_dir: str | Path | None, kind: str = "kernel")
 # ----------------------------------------------------------------------------------- CLI
 
 
+# The command line's defaults on the CPU, where every kernel call runs in Triton's interpreter
+# (~0.2 s each at the --tiny sizes): the GPU's defaults (KernelBenchConfig's) would take
+# about 11 hours there; these take seconds and still run every step of the pipeline.
+CPU_DEFAULTS = dict(models=("mixtral-8x7b",), m_values=(1, 16), betas=(1.0, 0.5), iters=3, warmup=1,
+                    config_stride=20)
+
+
+def _by_device(name: str) -> str:
+    gpu, cpu = getattr(KernelBenchConfig(), name), CPU_DEFAULTS[name]
+    if isinstance(gpu, tuple):
+        gpu, cpu = " ".join(map(str, gpu)), " ".join(map(str, cpu))
+    return f"(default: {gpu} on GPUs, {cpu} on the CPU)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = KernelBenchConfig()
     p = argparse.ArgumentParser(prog="moekit bench kernel", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(d.models), choices=MODELS)
-    p.add_argument("--m", dest="m_values", type=int, nargs="+", default=list(d.m_values), help="batch sizes M")
-    p.add_argument("--betas", type=float, nargs="+", default=list(d.betas), help="target balancedness, in (0, 1]")
-    p.add_argument("--iters", type=int, default=d.iters, help="timed replays per (config, point)")
-    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--models", nargs="+", default=None, choices=MODELS, metavar="MODEL",
+                   help=f"model shapes: %(choices)s {_by_device('models')}")
+    p.add_argument("--m", dest="m_values", type=int, nargs="+", default=None,
+                   help=f"batch sizes M, each in [1, 1048576] {_by_device('m_values')}")
+    p.add_argument("--betas", type=float, nargs="+", default=None,
+                   help=f"target balancedness, each in (0, 1] {_by_device('betas')}")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed replays per (config, point), >= 1 {_by_device('iters')}")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed replays before them, >= 0 {_by_device('warmup')}")
     p.add_argument("--slow-iters", type=int, default=None,
                    help="timed replays for a config whose check replay took >= --slow-factor x the fastest so far "
                         "at that point (default: --iters for every config)")
-    p.add_argument("--slow-factor", type=float, default=d.slow_factor)
-    p.add_argument("--config-stride", type=int, default=d.config_stride, help="time every n-th config of the space")
-    p.add_argument("--config-offset", type=int, default=d.config_offset, help="... starting at this index")
+    p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="see --slow-iters; > 1")
+    p.add_argument("--config-stride", type=int, default=None,
+                   help=f"time every n-th config of the space, >= 1 {_by_device('config_stride')}")
+    p.add_argument("--config-offset", type=int, default=d.config_offset, help="... starting at this index, >= 0")
     p.add_argument("--dtype", default=None, choices=list(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--tiny", action="store_true", help=f"H={TINY_HIDDEN}, N={TINY_INTERMEDIATE} (CPU runs)")
     p.add_argument("--hidden", type=int, default=None, help="replace every shape's H")
     p.add_argument("--intermediate", type=int, default=None, help="replace every shape's N")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--baseline", default=d.baseline, choices=BASELINE_IMPLS)
-    p.add_argument("--tol", type=float, default=d.tol, help="max relative error vs the baseline")
-    p.add_argument("--compile-workers", type=int, default=None, help="default: min(16, cores) on GPU; 0: none")
-    p.add_argument("--flush-mb", type=int, default=d.flush_mb, help="L2 flush read before each timed replay")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs and routing, >= 0")
+    p.add_argument("--baseline", default=d.baseline, choices=BASELINE_IMPLS,
+                   help="the torch baseline: %(choices)s (auto: grouped_mm where torch has it)")
+    p.add_argument("--tol", type=float, default=d.tol, help="max relative error vs the baseline, in (0, 1)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes filling Triton's cache first, >= 0 (default: min(16, cores) on GPU; 0: none)")
+    p.add_argument("--flush-mb", type=int, default=d.flush_mb, help="L2 flush read before each timed replay, >= 0")
     p.add_argument("--always-flush", action="store_true",
                    help=f"flush also where the touched weights are >= {FLUSH_SKIP_FACTOR}x L2")
-    p.add_argument("--queue-ahead-us", type=float, default=d.queue_ahead_us)
+    p.add_argument("--queue-ahead-us", type=float, default=d.queue_ahead_us,
+                   help="GPU sleep per timed replay queued ahead, so the host's launches are not timed, >= 0")
     p.add_argument("--copy-mb", type=int, default=None, help="HBM ceiling copy size (default 1024 GPU / 64 CPU)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192 GPU / 256 CPU)")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -807,8 +829,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
     p.add_argument("--merge", nargs="+", default=None, metavar="TABLE",
                    help="no run: merge these -table.json.gz files and write one report")
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where the record, table and figures go")
+    p.add_argument("--no-record", action="store_true", help="write no record, table or figures")
     return p
 
 
@@ -816,10 +838,13 @@ def config_from_args(args) -> KernelBenchConfig:
     hidden, inter = args.hidden, args.intermediate
     if args.tiny:
         hidden, inter = hidden or TINY_HIDDEN, inter or TINY_INTERMEDIATE
+    defaults = asdict(KernelBenchConfig()) if torch.cuda.is_available() else CPU_DEFAULTS
+    given = {name: getattr(args, name) for name in CPU_DEFAULTS}
+    chosen = {name: (defaults[name] if value is None else value) for name, value in given.items()}
     return KernelBenchConfig(
-        models=tuple(args.models), m_values=tuple(args.m_values), betas=tuple(args.betas), iters=args.iters,
-        warmup=args.warmup, slow_iters=args.slow_iters, slow_factor=args.slow_factor,
-        config_stride=args.config_stride, config_offset=args.config_offset, dtype=args.dtype,
+        models=tuple(chosen["models"]), m_values=tuple(chosen["m_values"]), betas=tuple(chosen["betas"]),
+        iters=chosen["iters"], warmup=chosen["warmup"], slow_iters=args.slow_iters, slow_factor=args.slow_factor,
+        config_stride=chosen["config_stride"], config_offset=args.config_offset, dtype=args.dtype,
         hidden=hidden, intermediate=inter, seed=args.seed, baseline=args.baseline, tol=args.tol,
         compile_workers=args.compile_workers, flush_mb=args.flush_mb, always_flush=args.always_flush,
         queue_ahead_us=args.queue_ahead_us,
@@ -842,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         record = write_outputs(merge_tables([load_table(p) for p in args.merge]), out_dir)
         _print_outputs(record)
         return 0
-    bench = KernelBench(config_from_args(args), log=lambda s: print(s, flush=True))
+    bench = KernelBench(config_from_args(args), log=lambda s: print(s, file=sys.stderr, flush=True))
     if args.dry_run:
         print(bench.describe())
         return 0

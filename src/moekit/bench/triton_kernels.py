@@ -21,13 +21,13 @@ def load_kernels(device: torch.device | str | None = None, what: str = "this ben
     where the interpreter is switched on first). ValueError naming ``what`` if Triton is
     missing, or if the kernels were imported earlier without the interpreter on a CPU run."""
     cpu = (torch.device(device).type != "cuda") if device is not None else not torch.cuda.is_available()
-    if cpu:
-        if "moekit.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"{what} runs the kernels in Triton's interpreter on the CPU, but moekit.kernels was "
-                             "imported before TRITON_INTERPRET=1 was set; set it before importing moekit.kernels")
+    if cpu and "moekit.kernels" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import moekit.kernels as kernels
 
     if not kernels.HAVE_TRITON:
         raise ValueError(f"{what} needs Triton, which is not installed ({TRITON_HINT})")
+    if cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} runs the kernels in Triton's interpreter on the CPU, but moekit.kernels was "
+                         "imported without TRITON_INTERPRET=1; set it before importing moekit.kernels")
     return kernels

@@ -214,8 +214,8 @@ def mixtral_capspill_trace(
     metadata records ``world_size = 8`` and the parameters. ``weights=True`` adds
     softmax-like top-2 weights (88 MB for the default size; off by default).
     """
-    _check_int("steps", steps, low=0)
-    _check_int("layers", layers, low=0)
+    _check_int("steps", steps, low=1)  # a trace without (step, layer) observations has no statistics
+    _check_int("layers", layers, low=1)
     _check_int("seed", seed, low=0)
     P, E, K = MIXTRAL_WORLD_SIZE, MIXTRAL_NUM_EXPERTS, MIXTRAL_TOP_K
     rows_per_rank = MIXTRAL_MAX_LENGTH // P
