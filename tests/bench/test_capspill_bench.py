@@ -1,4 +1,4 @@
-"""`moekit bench capspill` on 2 CPU ranks (gloo, tiny sizes): the record holds the seed's tables."""
+"""`moekit bench capspill` on 2 CPU ranks (gloo, tiny sizes): the record holds the paper's tables."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_capspill_bench_record(tmp_path):
 
 
 def test_gap_recovery_and_routing_selection():
-    assert gap_recovery(1077.0, 712.0, 390.9) == pytest.approx(53.2, abs=0.05)  # the seed's figure
+    assert gap_recovery(1077.0, 712.0, 390.9) == pytest.approx(53.2, abs=0.05)  # the paper's figure
     assert gap_recovery(100.0, 90.0, 120.0) is None  # eager slower than MaxCounts: no gap to recover
     trace = mixtral_capspill_trace(steps=6, layers=3, seed=1)
     picks, ids, weights = bench_routing(trace, 4, seed=0)

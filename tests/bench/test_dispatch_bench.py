@@ -1,4 +1,4 @@
-"""`moekit bench dispatch` on 2 CPU ranks (tiny sizes): the record holds what DESIGN.md asks."""
+"""`moekit bench dispatch` on 2 CPU ranks (tiny sizes): the record holds environment, parameters, summaries."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ model, record, figure) under Triton's interpreter on the CPU; with CUDA the same
 on the GPU.
 
 The blocks are checked against plain float64 references; the model side against the
-seed's roofline written out here from first principles.
+paper's roofline written out here from first principles.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def test_network_volume_ratio_for_deepseek_v3_on_8_gpus():
     k = get_shape("deepseek-v3").top_k
     assert api_volume_ratio(k) == 8
     assert network_volume_ratio(k, 8) == pytest.approx(64 / 14)
-    assert round(network_volume_ratio(k, 8), 1) == 4.6  # the seed's number
+    assert round(network_volume_ratio(k, 8), 1) == 4.6  # the paper's number
 
 
 def test_network_volumes_both_readings():

@@ -1,7 +1,7 @@
-"""`moekit bench capspill`: MaxCounts vs eager vs Cap-and-Spill on Mixtral-like routing (seed 000).
+"""`moekit bench capspill`: MaxCounts vs eager vs Cap-and-Spill on Mixtral-like routing (the Cap-and-Spill paper).
 
 What runs. A routing trace (default: ``moekit.routing.mixtral_capspill_trace``, whose
-per-peer counts on 8 ranks match the seed's) fixes the capacities on this run's P ranks:
+per-peer counts on 8 ranks match the paper's) fixes the capacities on this run's P ranks:
 C_max = the largest per-peer count (MaxCounts) and C = ceil(Q_q) for each quantile of the
 sweep (Cap-and-Spill; Table 2). Then ``steps`` (sequence, layer) routings of the trace
 are replayed. Each rank holds fixed input buffers ``x[T_max, H]``, ``topk_ids`` and
@@ -18,13 +18,13 @@ slowest rank's time per iteration):
   (``spill_flag``: per-peer histogram + all-reduce), a host read of the flag, then the
   graph with or without the spill pass.
 
-Two series per method: ``dispatch`` (what the seed's Table 1 times) and ``round_trip``
+Two series per method: ``dispatch`` (what the paper's Table 1 times) and ``round_trip``
 (dispatch -> identity experts -> combine). On a GPU the graphs are captured with
 ``moekit.bench.timing.capture_graph`` and replayed; on the CPU (gloo) there are no graphs
 and the same functions run eagerly, so CPU numbers only show that the pipeline works.
 
 Also measured: a per-phase breakdown (pack, all-to-all, compact, all-to-all (spill),
-unpack; each phase captured as its own graph) like the seed's Figure 3, and a bitwise
+unpack; each phase captured as its own graph) like the paper's Figure 3, and a bitwise
 check of every method against eager on the first ``verify_steps`` steps (valid rows,
 counts, handle, combine). The record holds the per-peer count histogram, so Figure 2
 (histogram + CDF) and Figure 3 can be drawn from it anywhere (:func:`draw_capspill_figures`).
@@ -50,14 +50,14 @@ from moekit.ep.capacity import calibrate_capacity, overflow_fractions, spill_cap
 from moekit.ep.capspill import CapAndSpillDispatcher, MaxCountsDispatcher
 from moekit.routing.trace import RoutingTrace
 
-# The seed's numbers (8x A100 NVLink, Mixtral-8x7B traces, P = 8), for side-by-side tables.
-SEED_TABLE1 = [
+# The paper's numbers (8x A100 NVLink, Mixtral-8x7B traces, P = 8), for side-by-side tables.
+PAPER_TABLE1 = [
     dict(method="MaxCounts (baseline)", C=43, mean=1077.0, median=1040.4, p95=1224.5, p99=1726.9, cuda_graph=True),
     dict(method="Eager (oracle)", C=None, mean=390.9, median=340.6, p95=528.9, p99=1227.7, cuda_graph=False),
     dict(method="Cap-and-Spill", C=16, mean=712.0, median=676.4, p95=854.3, p99=1196.6, cuda_graph=True),
 ]
-SEED_CONDITIONAL_MEAN_US = 949.0
-SEED_TABLE2 = [
+PAPER_CONDITIONAL_MEAN_US = 949.0
+PAPER_TABLE2 = [
     dict(setting="MaxCounts", C=43, mean=1077.0, p99=1726.9, overflow_pct=0.0, gap_recovery_pct=0.0),
     dict(setting="q=0.90", C=10, mean=756.7, p99=1328.8, overflow_pct=31.1, gap_recovery_pct=46.7),
     dict(setting="q=0.95", C=12, mean=738.7, p99=1302.1, overflow_pct=18.5, gap_recovery_pct=49.3),
@@ -65,7 +65,7 @@ SEED_TABLE2 = [
     dict(setting="q=0.995", C=18, mean=722.5, p99=1227.0, overflow_pct=2.7, gap_recovery_pct=51.7),
     dict(setting="Eager", C=None, mean=390.9, p99=1227.7, overflow_pct=0.0, gap_recovery_pct=100.0),
 ]
-SEED_PHASES_US = {"maxcounts": {"pack": 848.0}, "capspill": {"pack": 553.0}}  # Figure 3's quoted numbers
+PAPER_PHASES_US = {"maxcounts": {"pack": 848.0}, "capspill": {"pack": 553.0}}  # Figure 3's quoted numbers
 
 SERIES = ("dispatch", "round_trip")
 
@@ -496,22 +496,22 @@ def format_capspill_bench(record: dict) -> str:
         f"{r['summaries']['eager']['dispatch']['n']} samples per series "
         f"({p['steps']} routing steps x {p['iters']} iterations)",
         f"trace {p['trace']['name']!r}: per-peer counts on P={tc['world_size']}: mean {tc['mean']:.2f}, "
-        f"max {tc['max']} (seed, P=8: mean 5.1, Q99 16, max 43)",
+        f"max {tc['max']} (paper, P=8: mean 5.1, Q99 16, max 43)",
         "",
         "Table 1: dispatch latency (µs, slowest rank per iteration)",
         format_table(r["table1"], ["method", "C", "mean", "median", "p95", "p99", "cuda_graph", "vs_maxcounts_pct",
                                    "round_trip_mean"]),
-        "seed (8x A100, P=8, not this machine):",
-        format_table(SEED_TABLE1, ["method", "C", "mean", "median", "p95", "p99", "cuda_graph"]),
+        "the paper (8x A100, P=8, not this machine):",
+        format_table(PAPER_TABLE1, ["method", "C", "mean", "median", "p95", "p99", "cuda_graph"]),
         "gap recovery (T_max - T_cs) / (T_max - T_eager), dispatch means: "
         + ", ".join(f"{k}: {_pct(v)}" for k, v in r["gap_recovery"]["dispatch"].items())
-        + "  (seed: 53.2% at q=0.99)",
+        + "  (paper: 53.2% at q=0.99)",
         "",
         "Table 2: quantile sweep (dispatch; overflow % = sends with any per-peer count > C, on the trace)",
         format_table(r["table2"], ["setting", "C", "S", "mean", "p99", "overflow_pct", "overflow_token_pct",
                                    "measured_overflow_pct", "gap_recovery_pct"]),
-        "seed:",
-        format_table(SEED_TABLE2, ["setting", "C", "mean", "p99", "overflow_pct", "gap_recovery_pct"]),
+        "paper:",
+        format_table(PAPER_TABLE2, ["setting", "C", "mean", "p99", "overflow_pct", "gap_recovery_pct"]),
         "",
         "Per-phase breakdown (µs, median; on a GPU each phase is replayed as its own graph)",
         format_table(_phase_rows(r["phases"]), ["method", *_phase_names(r["phases"]), "sum"]),

@@ -1,6 +1,6 @@
 """`moekit bench kernel`: every fused-MoE kernel config, timed across batch sizes and routing skews.
 
-The dataset RaMP (seed 002) fits its cost model on, and the report of issue 4. For each model
+The dataset the RaMP paper fits its cost model on, and the fused kernel's report. For each model
 shape, batch size M and target routing balancedness beta (a *point*), every config of
 ``moekit.kernels.config_space`` (or every ``--config-stride``-th) runs
 ``moekit.kernels.fused_moe`` on the same inputs; the run records each config's median / p95 /
@@ -74,7 +74,7 @@ EP_LOCAL_EXPERTS = 32  # deepseek-v3-ep32: 256 experts over 8 ranks
 TINY_HIDDEN, TINY_INTERMEDIATE = 64, 32
 # Where the touched expert weights are at least this many times the L2 size, one call streams
 # them through L2 and evicts its own earlier lines (reuse distance >> L2): they cannot be in L2
-# at the next call's start, so the flush (~60 µs per replay on an H200) is skipped there.
+# at the next call's start, so the flush (a 256 MB read per replay) is skipped there.
 FLUSH_SKIP_FACTOR = 4
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -272,8 +272,8 @@ def point_work(shape: BenchShape, ids: torch.Tensor, elem_bytes: int) -> dict:
 
 # ----------------------------------------------------------------------- time estimate
 
-# Rough per-item costs on the H200 machine (its host is slow: ~10 µs of CPU per launch).
-# They only size the device calls; the run prints its real progress and rate.
+# Rough per-item costs on a GPU machine whose host is slow (~10 µs of CPU per launch). They
+# only size the device calls; the run prints its real progress and rate.
 EST_COMPILE_S = 1.5  # one Triton kernel compile, one CPU core
 EST_CONFIG_S = 0.01  # per (config, M): first eager call + graph capture
 EST_CHECK_S = 0.002  # per (config, point): copy routing, one replay, error check
@@ -283,7 +283,7 @@ EST_SLOWDOWN = 2.5  # average config vs the roofline time
 EST_POINT_S = 0.5  # per point: routing, baseline (+ reference check), alignment timing
 EST_ROUTING_S_PER_4K = 1.0  # synthetic_routing's bisection at M = 4096
 EST_INTERPRET_CALL_S = 0.2  # one fused_moe call in Triton's interpreter (tiny shapes)
-NOMINAL_HBM_GBPS, NOMINAL_TFLOPS = 4300.0, 790.0  # measured on an H200 (docs/foundation.md)
+NOMINAL_HBM_GBPS, NOMINAL_TFLOPS = 4300.0, 790.0  # the reference device's rates (the H200 preset)
 
 
 def _roofline_us(shape: BenchShape, M: int, elem_bytes: int) -> float:

@@ -46,7 +46,7 @@ TABLE_VERSION = 1
 TABLE_KEYS = ("environment", "params", "configs", "shapes", "points")
 SAMPLE_COLUMNS = ("median_us", "p95_us", "min_us", "iters")  # per point, one value per config of its shape
 
-# Goals of issue 4 for the H200 (benchmark goals, not tests).
+# The fused kernel's goals on an H200 (benchmark goals, not tests).
 GOAL_SMALL_M = 16  # "at M <= 16 ..."
 GOAL_HBM_FRACTION = 0.70  # "... the best config reaches 70% of measured HBM bandwidth"
 GOAL_TC_SHAPE, GOAL_TC_M, GOAL_TC_FRACTION = "mixtral-8x7b", 4096, 0.50

@@ -1,4 +1,4 @@
-"""`moekit bench lowlatency`: dispatch and combine latency of the low-latency layer (seed 004)
+"""`moekit bench lowlatency`: dispatch and combine latency of the low-latency layer (the Low-Latency EP All-to-All Layer)
 against the eager all-to-all and torch's ``all_to_all_vdev_2d``, with the byte floor.
 
 What runs. For each tokens-per-rank T (default 1, 8, 32, 128, 256) every rank holds fixed
@@ -57,7 +57,7 @@ from moekit.shapes import get_shape
 
 METHODS = ("lowlatency", "alltoall", "vdev2d")
 SERIES = ("dispatch", "combine", "total")
-GOAL_US, GOAL_TOKENS = 30.0, 128  # issue 6: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
+GOAL_US, GOAL_TOKENS = 30.0, 128  # the layer's target: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
 
 
 # Points and counts by device. On the CPU (gloo) one deepseek-v3 step takes milliseconds, so

@@ -33,7 +33,7 @@ def elem_bytes(dtype: torch.dtype) -> int:
 
 
 def dense_intermediates(shape: MoEShape) -> dict[str, int]:
-    """Intermediate widths of the dense equivalents (seed 003, section 2, plus shared experts):
+    """Intermediate widths of the dense equivalents (the MoE-tax paper, section 2, plus shared experts):
     DenseFA K*N + S (same activated parameters), DensePA E*N + S (same total parameters)."""
     s = shape.num_shared_experts * shape.shared_intermediate
     return {"densefa": shape.top_k * shape.intermediate + s, "densepa": shape.num_experts * shape.intermediate + s}

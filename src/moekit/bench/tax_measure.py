@@ -163,7 +163,7 @@ def _resolve(cfg: MeasureConfig) -> _Plan:
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
     if not on_gpu and dtype == torch.bfloat16:
-        # DESIGN.md: tl.dot on bfloat16 returns garbage in the interpreter.
+        # tl.dot on bfloat16 returns garbage in Triton's interpreter.
         raise ValueError("dtype bfloat16 is not usable on the CPU (Triton interpreter); use float32 or float16")
 
     models = cfg.models.split(",") if isinstance(cfg.models, str) else list(cfg.models)

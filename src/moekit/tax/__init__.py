@@ -1,4 +1,4 @@
-"""The MoE serving tax (seed 003): an analytical model, padding, balls-bins-buckets
+"""The MoE serving tax (the paper Demystifying the MoE Serving Tax): an analytical model, padding, balls-bins-buckets
 simulation, communication volumes, expert load balancing, and a report.
 
     from moekit.tax import TaxModel, tax_report

@@ -71,7 +71,7 @@ class LoadStats:
         return np.where(self.routed > 0, self.padded / np.maximum(self.routed, 1), 1.0)
 
     def summary(self) -> dict:
-        """Means over batches of the quantities the seed plots."""
+        """Means over batches of the quantities the paper plots."""
         return {
             "straggler": float(self.straggler().mean()),
             "padded_straggler": float(self.padded_straggler().mean()),
@@ -158,7 +158,7 @@ def simulate(
 
 
 def bbb_bounds(num_tokens, num_experts: int, n_gpus: int, top_k: int) -> dict:
-    """The seed's analytical worst-case loads applied at expert and at GPU level.
+    """The paper's analytical worst-case loads applied at expert and at GPU level.
 
     Balls are the m*K token-expert assignments. At the expert level they fall into E
     bins, at the GPU level into n buckets (a GPU's load is the sum of its E/n experts,
@@ -182,7 +182,7 @@ def bbb_bounds(num_tokens, num_experts: int, n_gpus: int, top_k: int) -> dict:
 
 @dataclass(frozen=True)
 class BBBConfig:
-    """One curve of the seed's Figure 10."""
+    """One curve of the paper's Figure 10."""
 
     label: str
     num_experts: int
@@ -190,7 +190,7 @@ class BBBConfig:
     top_k: int
 
 
-# The seed does not say which top-K it simulated; we use each size's model: K=2 for 8
+# The paper does not say which top-K it simulated; we use each size's model: K=2 for 8
 # experts (Mixtral), K=8 for 64 experts (Qwen2-MoE). 64E on 32G is "DP attention".
 FIG10_CONFIGS = (
     BBBConfig("8E, 4G", 8, 4, 2),
