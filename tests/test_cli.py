@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 
+import pytest
+import torch
 
+import moekit
 from moekit.cli import main
 
 
@@ -49,3 +56,102 @@ def test_trace_stats_bad_file(tmp_path, capsys):
     bad.write_bytes(b"not an npz")
     assert main(["trace", "stats", str(bad)]) == 2
     assert "bad.npz" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the front door: errors, help
+
+
+def _one_error_line(err: str, *words: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moekit: error:"), err
+    assert "Traceback" not in err and all(w in lines[0] for w in words), err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"moekit {moekit.__version__}"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["demo", "--world-size", "0"], ["--world-size", "1, 2, 4 or 8"]),
+    (["demo", "--world-size", "-2"], ["--world-size", "got -2"]),
+    (["demo", "--tokens", "0"], ["--tokens", ">= 1"]),
+    (["bench", "dispatch", "--tokens", "-3"], ["--tokens", ">= 1", "got -3"]),
+    (["bench", "dispatch", "--world-size", "0"], ["--world-size"]),
+    (["bench", "dispatch", "--iters", "0"], ["--iters"]),
+    (["tax", "--gpus", "0"], ["--gpus", ">= 1"]),
+])
+def test_bad_options_are_one_line_naming_the_option(argv, words, capsys):
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err, *words)
+
+
+def test_trace_generate_rejects_zero_steps_and_writes_nothing(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    for flag in ("--steps", "--layers"):
+        assert main(["trace", "generate", str(path), flag, "0"]) == 2
+        _one_error_line(capsys.readouterr().err, flag, ">= 1")
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("argv", [["bench", "kernel", "--tiny"], ["tax", "--measure", "--batch-sizes", "1"]])
+def test_kernel_benchmarks_without_triton_say_so(argv, monkeypatch, tmp_path, capsys):
+    """Without Triton the kernels cannot run: one line and a non-zero exit, nothing timed."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # as the kernel tests do, before the import
+    kernels = pytest.importorskip("moekit.kernels")
+    monkeypatch.setattr(kernels, "HAVE_TRITON", False)
+    assert main(argv + ["--out-dir", str(tmp_path)]) == 2
+    _one_error_line(capsys.readouterr().err, "needs Triton", "pip install")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_that_stops_reading_is_no_error():
+    """`moekit tax --json | head`: the pipe closes before moekit writes; no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "moekit.cli", "tax", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def _parsers():
+    """Every parser of the command line, the pass-through benchmarks' own included."""
+    from moekit.bench import capspill, kernel, lowlatency
+    from moekit.cli import build_parser
+
+    todo, seen = [build_parser()], []
+    while todo:
+        parser = todo.pop()
+        seen.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+    return seen + [capspill.build_parser(), kernel.build_parser(), lowlatency.build_parser()]
+
+
+def test_every_option_has_help_and_presets_are_listed():
+    from moekit.shapes import PRESETS
+    from moekit.tax.hardware import PRESETS as HARDWARE
+
+    for parser in _parsers():
+        for action in parser._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.help and action.help.strip(), (parser.prog, action.option_strings)
+            if action.dest in ("shape", "model"):
+                assert all(name in parser.format_help().replace("\n", " ").replace(" ", "")
+                           for name in PRESETS), (parser.prog, action.dest)
+            if action.dest == "hardware":
+                assert all(name in action.help for name in HARDWARE)
+
+
+def test_bench_dispatch_cli_prints_progress(capsys):
+    from moekit.bench.dispatch import DISPATCHERS
+    from moekit.commands.bench import DISPATCHERS as CLI_DISPATCHERS
+
+    assert set(CLI_DISPATCHERS) == set(DISPATCHERS)
+    assert main(["bench", "dispatch", "--hidden", "32", "--tokens", "4", "--iters", "2", "--warmup", "0",
+                 "--no-record"]) == 0
+    out, err = capsys.readouterr()
+    assert "[bench dispatch] alltoall on 2 ranks" in err and "deepseek-v3 with hidden changed" in out

@@ -14,8 +14,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 {
   python3 -c 'import torch, triton; p = torch.cuda.get_device_properties(0); print("torch", torch.__version__, "triton", triton.__version__, "|", p.name, f"{p.total_memory / 2**30:.0f} GiB", "L2", getattr(p, "L2_cache_size", "?"))'
   start=$SECONDS
-  echo "== pipeline test (tests/tax/test_tax_measure.py, tiny shapes on this GPU)"
-  python3 -m pytest tests/tax/test_tax_measure.py -p no:cacheprovider -x
+  echo "== pipeline test (tests/bench/test_tax_measure.py, tiny shapes on this GPU)"
+  python3 -m pytest tests/bench/test_tax_measure.py -p no:cacheprovider -x
   echo "== moekit tax --measure (mixtral-8x7b, qwen2-moe)"
   python3 -m moekit.cli tax --measure --model mixtral-8x7b,qwen2-moe --beta 0.8 \
     --out-dir "$OUT/results" ${TAX_MEASURE_ARGS:-}

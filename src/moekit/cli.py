@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
@@ -21,7 +22,10 @@ def _pass_through() -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moekit import __version__
+
     p = argparse.ArgumentParser(prog="moekit", description="Fast expert-parallel MoE inference tools.")
+    p.add_argument("--version", action="version", version=f"moekit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name in MODULES:
         importlib.import_module(f"moekit.commands.{name}").register(sub)
@@ -36,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit
+        return code
+    except BrokenPipeError:  # the reader stopped reading: stop quietly, as other Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"moekit: error: {e}", file=sys.stderr)
         return 2

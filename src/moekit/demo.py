@@ -93,9 +93,11 @@ def _sync(device: torch.device) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo and return its report as a dict (what ``--json`` prints)."""
+    for name, value in (("world_size", cfg.world_size), ("tokens_per_rank", cfg.tokens_per_rank),
+                        ("steps", cfg.steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     cfg.shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
-    if cfg.steps < 1 or cfg.tokens_per_rank < 1:
-        raise ValueError(f"steps and tokens must be >= 1, got steps={cfg.steps}, tokens={cfg.tokens_per_rank}")
     step_routing(cfg, 0)  # bad routing parameters (beta) raise here, not inside the ranks
     backend = default_backend(cfg.world_size)
     ranks = launch(_demo_rank, cfg.world_size, cfg, backend=backend)

@@ -1,6 +1,7 @@
 """Records, environment, tables and figures of moekit.bench.report."""
 
 import dataclasses
+import gzip
 import json
 import platform
 import re
@@ -237,3 +238,21 @@ def test_plotting_without_matplotlib_says_how_to_install(monkeypatch):
 def test_importing_moekit_bench_does_not_import_matplotlib():
     code = "import sys, moekit.bench; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_load_record_of_a_kind_gzip_and_missing_files(tmp_path):
+    path = write_record("dispatch", {"a": 1}, {"b": 2}, out_dir=tmp_path, name="r")
+    assert load_record(path, kind="dispatch")["results"] == {"b": 2}
+    with pytest.raises(ValueError, match=re.escape(f"{path}: expected a 'tax-measure' record, got kind 'dispatch'")):
+        load_record(path, kind="tax-measure")
+    packed = tmp_path / "r.json.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as fh:
+        fh.write(path.read_text())
+    assert load_record(packed) == load_record(path)
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="bad.json.gz: not a gzip file"):
+        load_record(tmp_path / "bad.json.gz")
+    with pytest.raises(ValueError, match="missing.json: cannot read"):
+        load_record(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="'kind' must be"):
+        load_record({"kind": 1, "environment": {}, "params": {}, "results": {}})

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from moekit.bench.timing import PhaseTimer, time_distributed, time_fn, time_graph_replay
+from moekit.bench.timing import PhaseTimer, queue_timed, time_distributed, time_fn, time_graph_replay
 
 SLEEP_S = 0.002
 
@@ -102,3 +102,27 @@ def test_phase_timer_sync_fn_runs_at_each_boundary():
         pass
     assert len(syncs) == 2
 
+
+
+def test_queue_timed_on_the_cpu_times_each_fn_of_an_iteration():
+    """Several fns per iteration: each its own samples; before_each outside the timed region
+    (its sleep is in no sample's lower bound, its calls counted), after_warmup once."""
+    log = []
+    fns = [lambda: (log.append("a"), time.sleep(SLEEP_S)), lambda: (log.append("b"), time.sleep(2 * SLEEP_S))]
+    samples = queue_timed(fns, iters=3, warmup=2, device="cpu", before_each=lambda: log.append("w"),
+                          after_warmup=lambda: log.append("aligned"))()
+    assert log == ["w", "a", "b"] * 2 + ["aligned"] + ["w", "a", "b"] * 3
+    assert [len(s) for s in samples] == [3, 3]
+    assert all(t >= SLEEP_S * 1e6 for t in samples[0]) and all(t >= 2 * SLEEP_S * 1e6 for t in samples[1])
+    single = queue_timed(lambda: time.sleep(SLEEP_S), iters=2, warmup=0, device="cpu")()
+    assert len(single) == 1 and len(single[0]) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(iters=0), "iters"), (dict(warmup=-1), "warmup"), (dict(chunk=0), "chunk"),
+    (dict(queue_ahead_us=-1.0), "queue_ahead_us"), (dict(fns=[]), "fns"),
+])
+def test_queue_timed_rejects_bad_arguments(kwargs, match):
+    args = dict(fns=lambda: None, iters=2, warmup=0, device="cpu") | kwargs
+    with pytest.raises(ValueError, match=match):
+        queue_timed(args.pop("fns"), **args)

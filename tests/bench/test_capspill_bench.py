@@ -1,4 +1,4 @@
-"""`moekit bench capspill` on 2 CPU ranks (gloo, tiny sizes): the record holds the seed's tables."""
+"""`moekit bench capspill` on 2 CPU ranks (gloo, tiny sizes): the record holds the paper's tables."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_capspill_bench_record(tmp_path):
     assert [row["method"] for row in r["table1"]] == ["MaxCounts", "Eager", "Cap-and-Spill",
                                                         "Cap-and-Spill (conditional)"]
     assert all({"mean", "median", "p95", "p99", "C", "cuda_graph"} <= set(row) for row in r["table1"])
+    assert not any(row["cuda_graph"] for row in r["table1"])  # eager on the CPU, as the header says
     assert [row["setting"] for row in r["table2"]] == ["MaxCounts", "q=0.9", "q=0.95", "q=0.99", "q=0.995", "Eager"]
     assert all(row["S"] == 172 * 2 - row["C"] for row in r["table2"][1:-1])
     assert set(r["phases"]["maxcounts"]) == {"pack", "all-to-all", "unpack"}
@@ -45,11 +46,12 @@ def test_capspill_bench_record(tmp_path):
     assert sum(r["trace_counts"]["histogram"]) == 10 * 4 * 2 * 2
     assert all(path.endswith(".png") for path in record["figures"])
     text = format_capspill_bench(record)
+    assert "no CUDA graphs" in text
     assert "Table 1" in text and "Table 2" in text and "gap recovery" in text and "53.2%" in text
 
 
 def test_gap_recovery_and_routing_selection():
-    assert gap_recovery(1077.0, 712.0, 390.9) == pytest.approx(53.2, abs=0.05)  # the seed's figure
+    assert gap_recovery(1077.0, 712.0, 390.9) == pytest.approx(53.2, abs=0.05)  # the paper's figure
     assert gap_recovery(100.0, 90.0, 120.0) is None  # eager slower than MaxCounts: no gap to recover
     trace = mixtral_capspill_trace(steps=6, layers=3, seed=1)
     picks, ids, weights = bench_routing(trace, 4, seed=0)
@@ -64,3 +66,14 @@ def test_bad_config():
         CapSpillBenchConfig(sweep=(0.9, 1.5))
     with pytest.raises(ValueError, match="dtype"):
         CapSpillBenchConfig(dtype="float99")
+
+
+def test_device_defaults():
+    """Unset sizes come from the device: the GPU's as before, small ones on the CPU."""
+    from moekit.bench.capspill import CPU_DEFAULTS, GPU_DEFAULTS
+
+    assert CapSpillBenchConfig().for_device(True) == CapSpillBenchConfig(**GPU_DEFAULTS)
+    cpu = CapSpillBenchConfig(iters=7).for_device(False)
+    assert cpu.iters == 7 and cpu.steps == CPU_DEFAULTS["steps"] and cpu.hidden == CPU_DEFAULTS["hidden"]
+    assert GPU_DEFAULTS == dict(hidden=4096, trace_steps=1000, steps=200, iters=20, warmup=2, phase_steps=50,
+                                verify_steps=50)

@@ -1,4 +1,4 @@
-"""`moekit bench dispatch` on 2 CPU ranks (tiny sizes): the record holds what DESIGN.md asks."""
+"""`moekit bench dispatch` on 2 CPU ranks (tiny sizes): the record holds environment, parameters, summaries."""
 
 from __future__ import annotations
 
@@ -21,3 +21,16 @@ def test_dispatch_bench_record(tmp_path):
     env = saved["environment"]
     assert env["torch"] and env["device"] and "git_commit" in env
     assert "dispatch+combine" in format_dispatch_bench(record)
+
+
+def test_device_defaults_and_bad_config():
+    import pytest
+
+    from moekit.bench.dispatch import CPU_DEFAULTS, GPU_DEFAULTS
+
+    assert DispatchBenchConfig().for_device(True).iters == GPU_DEFAULTS["iters"] == 1000
+    assert DispatchBenchConfig(warmup=7).for_device(False) == DispatchBenchConfig(iters=CPU_DEFAULTS["iters"], warmup=7)
+    for kwargs, name in (({"tokens_per_rank": -3}, "tokens_per_rank"), ({"iters": 0}, "iters"),
+                         ({"world_size": 0}, "world_size")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= "):
+            run_dispatch_bench(DispatchBenchConfig(**kwargs), out_dir=None)

@@ -27,7 +27,6 @@ from moekit.bench.kernel import (  # noqa: E402
     KernelBenchConfig,
     bench_shape,
     compiled_kernels,
-    config_id,
     point_routing,
     point_work,
     write_outputs,
@@ -75,7 +74,7 @@ def test_every_config_is_checked_and_timed_at_every_point(run):
         space = bench.configs[p["shape"]][0]
         assert shape["space_size"] == len(space)
         timed_ids = [table["configs"][i]["id"] for i in shape["configs"]]
-        assert timed_ids[0] == config_id(space[7])  # offset 7, stride past the end: one config of the space
+        assert timed_ids[0] == space[7].id  # offset 7, stride past the end: one config of the space
         default_id = table["configs"][shape["default"][str(M)]]["id"]
         assert default_id in timed_ids  # default_config is timed too, inside or outside the selection
         assert p["errors"] == {}, p["errors"]
@@ -129,6 +128,20 @@ def test_files_load_back_without_pickle(run):
 
 
 # ------------------------------------------------------------------------------ pieces
+
+
+def test_config_ids_are_unique_and_name_the_fields():
+    from moekit.kernels import KernelConfig, config_space
+    from moekit.shapes import get_shape
+
+    space = config_space(get_shape("mixtral-8x7b"), None) + config_space(get_shape("olmoe-1b-7b"), None)
+    ids = {c: c.id for c in space}
+    assert len(set(ids.values())) == len(ids)  # one name per distinct config
+    two_launch = KernelConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4, split_k=4)
+    assert two_launch.id == "T-bm16-bn64-bk128-w4-s4-g1-k4"
+    assert KernelConfig(bm=64, bn=128, bk=64, form="fused", group_m=8).id == "F-bm64-bn128-bk64-w4-s3-g8-k1"
+    assert KernelConfig(bm=128, bn2=256).id.endswith("-n256")
+    assert KernelConfig(bm=16, bn=128, bk=128, swap_ab=True).id.endswith("-x")
 
 
 def test_shapes_of_the_shards():
@@ -351,6 +364,18 @@ def test_cpu_refuses_full_shapes_and_bf16():
         KernelBench(KernelBenchConfig(models=("olmoe-1b-7b",)))
     with pytest.raises(ValueError, match="bfloat16 needs a GPU"):
         KernelBench(KernelBenchConfig(models=("olmoe-1b-7b",), hidden=64, intermediate=32, dtype="bfloat16"))
+
+
+def test_cli_defaults_by_device(monkeypatch):
+    from moekit.bench.kernel import CPU_DEFAULTS, build_parser, config_from_args
+
+    args = build_parser().parse_args(["--tiny", "--iters", "5"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = config_from_args(args)
+    assert cpu.iters == 5 and cpu.models == CPU_DEFAULTS["models"] and cpu.m_values == CPU_DEFAULTS["m_values"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = config_from_args(args)
+    assert gpu.models == KernelBenchConfig().models and gpu.betas == KernelBenchConfig().betas and gpu.iters == 5
 
 
 def test_cli_dry_run_and_errors(capsys):

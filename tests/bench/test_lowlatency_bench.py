@@ -44,6 +44,9 @@ def test_bench_record_on_cpu(tmp_path):
                 "combine.topk_reduce", "gap before combine.copy_and_put"} <= set(ph)
         assert ph["step"] >= ph["dispatch.quant_and_put"] > 0
     text = format_lowlatency_bench(record)
+    # the shape is not deepseek-v3's, and the header says so
+    assert "deepseek-v3 with hidden, top_k, num_experts changed: H=128 top-2 E=8" in text
+    assert "deepseek-v3: H=" not in text
     assert "lowlatency" in text and "alltoall/lowlatency" in text and "skipped" in text
     assert "profile rank 1 (T=4, eager, median of 18 steps" in text
 
@@ -90,3 +93,13 @@ def test_cli_help_and_bad_input(capsys):
     assert done.value.code == 0 and "--peer-experts" in capsys.readouterr().out
     assert cli_main(["bench", "lowlatency", "--num-experts", "7", "--no-record"]) == 2
     assert "num_experts=7 must be a multiple of world_size=2" in capsys.readouterr().err
+
+
+def test_device_defaults():
+    from moekit.bench.lowlatency import CPU_DEFAULTS, GPU_DEFAULTS
+
+    gpu = LowLatencyBenchConfig().for_device(True)
+    assert (gpu.tokens, gpu.iters, gpu.warmup) == ((1, 8, 32, 128, 256), 1000, 50) == tuple(GPU_DEFAULTS.values())
+    cpu = LowLatencyBenchConfig(tokens=(2,)).for_device(False)
+    assert cpu.tokens == (2,) and cpu.iters == CPU_DEFAULTS["iters"] < gpu.iters
+    assert LowLatencyBenchConfig().shape_label == "deepseek-v3"

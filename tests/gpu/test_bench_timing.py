@@ -10,11 +10,14 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.timing import queue_timed
 from moekit.ep import launch
 from moekit.bench import (
     PhaseTimer,
@@ -101,6 +104,37 @@ def test_graph_replay_removes_launch_gaps():
     eager = statistics.median(time_fn(many_small_kernels, iters=20, warmup=3, device="cuda"))
     graph = statistics.median(time_graph_replay(many_small_kernels, iters=20, warmup=3))
     assert graph < eager
+
+
+def test_queue_timed_keeps_the_hosts_launch_time_out():
+    """A call whose host side takes 200 µs before a short kernel: events around eager calls
+    time the host; queued behind a sleep, the same events time the kernel alone."""
+    x = torch.randn(1024, device="cuda")
+
+    def slow_host_short_kernel():
+        time.sleep(200e-6)
+        x.mul_(1.0001)
+
+    eager = statistics.median(time_fn(slow_host_short_kernel, iters=20, warmup=3, device="cuda"))
+    read = queue_timed(slow_host_short_kernel, iters=20, warmup=3, device="cuda", queue_ahead_us=1000.0)
+    queued = statistics.median(read()[0])
+    assert eager > 150.0 and queued < 50.0, (eager, queued)
+
+
+def test_queue_timed_times_each_fn_of_an_iteration():
+    one, _ = matmul_chain(1)
+    four, _ = matmul_chain(4)
+    written = []
+    samples = queue_timed([one, four], iters=10, warmup=2, device="cuda", before_each=lambda: written.append(1))()
+    assert [len(s) for s in samples] == [10, 10] and len(written) == 12
+    assert min(samples[0]) >= floor_us(1) and min(samples[1]) >= floor_us(4)
+    assert statistics.median(samples[1]) > 2.5 * statistics.median(samples[0])
+
+
+def test_ceilings_are_below_the_floor_rates():
+    """HBM GB/s and matmul TFLOP/s: positive, and no faster than any current GPU can be."""
+    c = measure_ceilings(torch.device("cuda"), torch.bfloat16, 256 << 20, 4096, iters=5, warmup=2)
+    assert 100.0 < c["hbm_gbps"] < 20_000.0 and 10.0 < c["matmul_tflops"] < FLOOR_FLOPS_PER_S / 1e12
 
 
 def test_capture_of_a_host_sync_fails_clearly():

@@ -5,18 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekit.tax.bbb import (
-    FIG10_CONFIGS,
-    Placement,
-    as_topk_array,
-    assignment_gpus,
-    bbb_bounds,
-    expert_counts,
-    figure10_data,
-    loads_from_counts,
-    sample_routing,
-    simulate,
-)
+from moekit.tax.bbb import FIG10_CONFIGS, bbb_bounds, expert_counts, figure10_data, loads_from_counts, simulate
+from moekit.tax.placement import Placement, assignment_gpus
+from moekit.tax.topk import as_topk_array, sample_routing
 
 
 @st.composite

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 
 from moekit.shapes import get_shape
-from moekit.tax.bbb import Placement, sample_routing
 from moekit.tax.comm import (
     allreduce_time,
     alltoall_time,
@@ -13,13 +12,15 @@ from moekit.tax.comm import (
     traffic,
 )
 from moekit.tax.hardware import PRESETS
+from moekit.tax.placement import Placement
+from moekit.tax.topk import sample_routing
 
 
 def test_network_volume_ratio_for_deepseek_v3_on_8_gpus():
     k = get_shape("deepseek-v3").top_k
     assert api_volume_ratio(k) == 8
     assert network_volume_ratio(k, 8) == pytest.approx(64 / 14)
-    assert round(network_volume_ratio(k, 8), 1) == 4.6  # the seed's number
+    assert round(network_volume_ratio(k, 8), 1) == 4.6  # the paper's number
 
 
 def test_network_volumes_both_readings():

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekit.tax.bbb import Placement, loads_from_counts
+from moekit.tax.bbb import loads_from_counts
 from moekit.tax.eplb import (
     balanced_packing,
     compare_balancers,
@@ -14,6 +14,7 @@ from moekit.tax.eplb import (
     padding_aware_placement,
     replicate_experts,
 )
+from moekit.tax.placement import Placement
 
 
 def zipf_routing(num_batches, tokens, num_experts, top_k, exponent, seed, popularity_seed=0):

@@ -12,7 +12,7 @@ def test_presets_carry_our_measured_ceilings():
     assert h200.net_bw == pytest.approx(372e9)
     assert PRESETS["H100"].hbm_bw == pytest.approx(3.0e12)
     assert PRESETS["H100"].peak_flops == pytest.approx(989e12)  # datasheet
-    # The seed's validation numbers for A100 (section 5.3).
+    # The paper's validation numbers for A100 (section 5.3).
     assert PRESETS["A100"].hbm_bw == pytest.approx(1500e9)
     assert PRESETS["A100"].peak_flops == pytest.approx(312e12)
     assert set(PRESETS) == {"A100", "H100", "H200", "B200"}

@@ -10,7 +10,7 @@ from moekit.tax.hardware import PRESETS, Hardware
 from moekit.tax.model import PARALLELISMS, TaxModel, compare, format_compare, unit_costs
 
 H200 = PRESETS["H200"]
-# Knobs that switch off everything but the expert GEMMs, to test the seed's limits.
+# Knobs that switch off everything but the expert GEMMs, to test the paper's limits.
 BARE = dict(f=1.0, anc_kernels=0, kernel_latency=0.0, padding="none")
 
 

@@ -1,7 +1,7 @@
-"""`moekit bench capspill`: MaxCounts vs eager vs Cap-and-Spill on Mixtral-like routing (seed 000).
+"""`moekit bench capspill`: MaxCounts vs eager vs Cap-and-Spill on Mixtral-like routing (the Cap-and-Spill paper).
 
 What runs. A routing trace (default: ``moekit.routing.mixtral_capspill_trace``, whose
-per-peer counts on 8 ranks match the seed's) fixes the capacities on this run's P ranks:
+per-peer counts on 8 ranks match the paper's) fixes the capacities on this run's P ranks:
 C_max = the largest per-peer count (MaxCounts) and C = ceil(Q_q) for each quantile of the
 sweep (Cap-and-Spill; Table 2). Then ``steps`` (sequence, layer) routings of the trace
 are replayed. Each rank holds fixed input buffers ``x[T_max, H]``, ``topk_ids`` and
@@ -18,13 +18,13 @@ slowest rank's time per iteration):
   (``spill_flag``: per-peer histogram + all-reduce), a host read of the flag, then the
   graph with or without the spill pass.
 
-Two series per method: ``dispatch`` (what the seed's Table 1 times) and ``round_trip``
+Two series per method: ``dispatch`` (what the paper's Table 1 times) and ``round_trip``
 (dispatch -> identity experts -> combine). On a GPU the graphs are captured with
 ``moekit.bench.timing.capture_graph`` and replayed; on the CPU (gloo) there are no graphs
 and the same functions run eagerly, so CPU numbers only show that the pipeline works.
 
 Also measured: a per-phase breakdown (pack, all-to-all, compact, all-to-all (spill),
-unpack; each phase captured as its own graph) like the seed's Figure 3, and a bitwise
+unpack; each phase captured as its own graph) like the paper's Figure 3, and a bitwise
 check of every method against eager on the first ``verify_steps`` steps (valid rows,
 counts, handle, combine). The record holds the per-peer count histogram, so Figure 2
 (histogram + CDF) and Figure 3 can be drawn from it anywhere (:func:`draw_capspill_figures`).
@@ -33,8 +33,10 @@ counts, handle, combine). The record holds the per-peer count histogram, so Figu
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,14 +50,14 @@ from moekit.ep.capacity import calibrate_capacity, overflow_fractions, spill_cap
 from moekit.ep.capspill import CapAndSpillDispatcher, MaxCountsDispatcher
 from moekit.routing.trace import RoutingTrace
 
-# The seed's numbers (8x A100 NVLink, Mixtral-8x7B traces, P = 8), for side-by-side tables.
-SEED_TABLE1 = [
+# The paper's numbers (8x A100 NVLink, Mixtral-8x7B traces, P = 8), for side-by-side tables.
+PAPER_TABLE1 = [
     dict(method="MaxCounts (baseline)", C=43, mean=1077.0, median=1040.4, p95=1224.5, p99=1726.9, cuda_graph=True),
     dict(method="Eager (oracle)", C=None, mean=390.9, median=340.6, p95=528.9, p99=1227.7, cuda_graph=False),
     dict(method="Cap-and-Spill", C=16, mean=712.0, median=676.4, p95=854.3, p99=1196.6, cuda_graph=True),
 ]
-SEED_CONDITIONAL_MEAN_US = 949.0
-SEED_TABLE2 = [
+PAPER_CONDITIONAL_MEAN_US = 949.0
+PAPER_TABLE2 = [
     dict(setting="MaxCounts", C=43, mean=1077.0, p99=1726.9, overflow_pct=0.0, gap_recovery_pct=0.0),
     dict(setting="q=0.90", C=10, mean=756.7, p99=1328.8, overflow_pct=31.1, gap_recovery_pct=46.7),
     dict(setting="q=0.95", C=12, mean=738.7, p99=1302.1, overflow_pct=18.5, gap_recovery_pct=49.3),
@@ -63,43 +65,58 @@ SEED_TABLE2 = [
     dict(setting="q=0.995", C=18, mean=722.5, p99=1227.0, overflow_pct=2.7, gap_recovery_pct=51.7),
     dict(setting="Eager", C=None, mean=390.9, p99=1227.7, overflow_pct=0.0, gap_recovery_pct=100.0),
 ]
-SEED_PHASES_US = {"maxcounts": {"pack": 848.0}, "capspill": {"pack": 553.0}}  # Figure 3's quoted numbers
+PAPER_PHASES_US = {"maxcounts": {"pack": 848.0}, "capspill": {"pack": 553.0}}  # Figure 3's quoted numbers
 
 SERIES = ("dispatch", "round_trip")
 
 
+# Sizes by device. On the CPU (gloo) every iteration is a barrier and a real exchange of
+# the buffers (MaxCounts at H=4096 moves ~0.2 s of data per dispatch), so the GPU's sizes would
+# run for an hour; the CPU's show in seconds that the pipeline works.
+GPU_DEFAULTS = dict(hidden=4096, trace_steps=1000, steps=200, iters=20, warmup=2, phase_steps=50, verify_steps=50)
+CPU_DEFAULTS = dict(hidden=256, trace_steps=200, steps=8, iters=3, warmup=1, phase_steps=4, verify_steps=4)
+
+
 @dataclass(frozen=True)
 class CapSpillBenchConfig:
+    """What ``run_capspill_bench`` measures; None fields take the device's default
+    (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``, :meth:`for_device`)."""
+
     world_size: int = 2
-    hidden: int = 4096
+    hidden: int | None = None
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
     quantile: float = 0.99  # the main Cap-and-Spill operating point (Table 1)
     sweep: tuple[float, ...] = (0.90, 0.95, 0.99, 0.995)  # Table 2
     trace_path: str | None = None  # a saved RoutingTrace; default: the Mixtral preset
-    trace_steps: int = 1000  # preset size (the seed: 1000 sequences x 32 layers)
+    trace_steps: int | None = None  # preset size (the paper: 1000 sequences x 32 layers)
     trace_layers: int = 32
     trace_seed: int = 0
-    steps: int = 200  # (sequence, layer) routings measured, evenly spread over the trace
-    iters: int = 20  # timed iterations per routing step and series
-    warmup: int = 2  # untimed iterations before each step's timing
-    phase_steps: int = 50  # steps in the per-phase breakdown
-    verify_steps: int = 50  # steps checked bitwise against eager
+    steps: int | None = None  # (sequence, layer) routings measured, evenly spread over the trace
+    iters: int | None = None  # timed iterations per routing step and series
+    warmup: int | None = None  # untimed iterations before each step's timing
+    phase_steps: int | None = None  # steps in the per-phase breakdown
+    verify_steps: int | None = None  # steps checked bitwise against eager
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "hidden", "steps", "iters"):
+        for name in ("world_size", "hidden", "steps", "iters", "trace_steps", "trace_layers"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("warmup", "phase_steps", "verify_steps", "trace_steps", "trace_layers", "trace_seed", "seed"):
+        for name in ("warmup", "phase_steps", "verify_steps", "trace_seed", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         for q in (self.quantile, *self.sweep):
             if not 0.0 <= q <= 1.0:
                 raise ValueError(f"quantiles must be in [0, 1], got {q}")
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"dtype must name a torch dtype (e.g. bfloat16), got {self.dtype!r}")
+
+    def for_device(self, on_gpu: bool) -> "CapSpillBenchConfig":
+        """A copy with the unset sizes taken from the device's defaults."""
+        defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @property
     def quantiles(self) -> list[float]:
@@ -310,7 +327,10 @@ def _bench_rank(rank: int, world_size: int, plan: _Plan) -> dict | None:
     mismatched = {name: [] for name in verified}
     cond_spilled = []
     timed = dict(iters=cfg.iters, warmup=cfg.warmup)
-    for step in range(plan.ids.shape[0]):
+    steps, start = plan.ids.shape[0], time.perf_counter()
+    for step in range(steps):
+        if rank == 0 and (step % max(1, steps // 10) == 0 or step == steps - 1):
+            _progress(f"step {step + 1}/{steps} ({time.perf_counter() - start:.0f} s)")
         inputs.write(step)
         for name, m in methods.items():  # interleaved, so drift hits every method alike
             for series in SERIES:
@@ -348,6 +368,8 @@ def run_capspill_bench(cfg: CapSpillBenchConfig, *, trace: RoutingTrace | None =
     there (and, with ``figures``, Figure 2 and 3 PNGs next to it when matplotlib is
     available).
     """
+    backend = default_backend(cfg.world_size)
+    cfg = cfg.for_device(backend == "nccl")
     trace = load_trace(cfg) if trace is None else trace
     P = cfg.world_size
     counts = trace_peer_counts(trace, P)  # raises when P does not divide E or the token rows
@@ -357,11 +379,12 @@ def run_capspill_bench(cfg: CapSpillBenchConfig, *, trace: RoutingTrace | None =
     plan = _Plan(cfg=cfg, num_experts=trace.num_experts, top_k=trace.top_k, max_tokens=trace.num_tokens // P,
                  cmax=max(top.capacity, 1), capacities={q: c.capacity for q, c in calibrations.items()},
                  ids=ids, weights=weights)
-    backend = default_backend(P)
+    _progress(f"{P} ranks ({backend}), H={cfg.hidden}: {ids.shape[0]} routing steps x {len(cfg.quantiles) + 3} "
+              f"methods x 2 series, {cfg.iters} iterations each")
     measured = launch(_bench_rank, P, plan, backend=backend)[0]
 
     step_counts = counts.reshape(-1, P, P)[picks]
-    results = _results(plan, measured, calibrations, top, counts, step_counts)
+    results = _results(plan, measured, calibrations, top, counts, step_counts, graphs=measured["graphs"])
     params = asdict(cfg) | dict(
         backend=backend, device=measured["device"], dtype=measured["dtype"], cuda_graphs=measured["graphs"],
         trace=dict(name=trace.name, steps=trace.num_steps, layers=trace.num_layers, tokens=trace.num_tokens,
@@ -379,6 +402,10 @@ def run_capspill_bench(cfg: CapSpillBenchConfig, *, trace: RoutingTrace | None =
     return record
 
 
+def _progress(what: str) -> None:
+    print(f"[bench capspill] {what}", file=sys.stderr, flush=True)
+
+
 def _try_figures(record: dict, stem: Path) -> list[str] | str:
     try:
         return [str(p) for p in draw_capspill_figures(record, stem)]
@@ -386,7 +413,7 @@ def _try_figures(record: dict, stem: Path) -> list[str] | str:
         return f"not drawn: {error}"
 
 
-def _results(plan, measured, calibrations, top, counts, step_counts) -> dict:
+def _results(plan, measured, calibrations, top, counts, step_counts, graphs: bool) -> dict:
     cfg = plan.cfg
     summaries = {name: {s: summarize(v) for s, v in series.items()} for name, series in measured["samples"].items()}
     main = f"capspill q={cfg.quantile:g}"
@@ -397,7 +424,7 @@ def _results(plan, measured, calibrations, top, counts, step_counts) -> dict:
     return dict(
         summaries=summaries,
         gap_recovery=gap,
-        table1=_table1(plan, summaries, main),
+        table1=_table1(plan, summaries, main, graphs),
         table2=_table2(plan, summaries, calibrations, top, step_counts),
         phases={name: {p: summarize(v) for p, v in phases.items() if v}
                 for name, phases in measured["phases"].items()},
@@ -419,7 +446,9 @@ def gap_recovery(t_max: float, t_cs: float, t_eager: float) -> float | None:
     return 100.0 * (t_max - t_cs) / (t_max - t_eager)
 
 
-def _table1(plan, summaries, main) -> list[dict]:
+def _table1(plan, summaries, main, graphs: bool) -> list[dict]:
+    """The paper's Table 1 for this run; ``cuda_graph`` says whether the method ran as CUDA
+    graphs here (on the CPU nothing does: the graph methods run eagerly)."""
     rows = []
     base = summaries["maxcounts"]["dispatch"]["mean"]
     names = [("maxcounts", "MaxCounts", plan.cmax, True), ("eager", "Eager", None, False),
@@ -428,7 +457,7 @@ def _table1(plan, summaries, main) -> list[dict]:
     for key, label, C, graph in names:
         s = summaries[key]["dispatch"]
         rows.append(dict(method=label, C=C, mean=s["mean"], median=s["median"], p95=s["p95"], p99=s["p99"],
-                         cuda_graph=graph, vs_maxcounts_pct=100.0 * (base - s["mean"]) / base,
+                         cuda_graph=graph and graphs, vs_maxcounts_pct=100.0 * (base - s["mean"]) / base,
                          round_trip_mean=summaries[key]["round_trip"]["mean"]))
     return rows
 
@@ -467,22 +496,22 @@ def format_capspill_bench(record: dict) -> str:
         f"{r['summaries']['eager']['dispatch']['n']} samples per series "
         f"({p['steps']} routing steps x {p['iters']} iterations)",
         f"trace {p['trace']['name']!r}: per-peer counts on P={tc['world_size']}: mean {tc['mean']:.2f}, "
-        f"max {tc['max']} (seed, P=8: mean 5.1, Q99 16, max 43)",
+        f"max {tc['max']} (paper, P=8: mean 5.1, Q99 16, max 43)",
         "",
         "Table 1: dispatch latency (µs, slowest rank per iteration)",
         format_table(r["table1"], ["method", "C", "mean", "median", "p95", "p99", "cuda_graph", "vs_maxcounts_pct",
                                    "round_trip_mean"]),
-        "seed (8x A100, P=8, not this machine):",
-        format_table(SEED_TABLE1, ["method", "C", "mean", "median", "p95", "p99", "cuda_graph"]),
+        "the paper (8x A100, P=8, not this machine):",
+        format_table(PAPER_TABLE1, ["method", "C", "mean", "median", "p95", "p99", "cuda_graph"]),
         "gap recovery (T_max - T_cs) / (T_max - T_eager), dispatch means: "
         + ", ".join(f"{k}: {_pct(v)}" for k, v in r["gap_recovery"]["dispatch"].items())
-        + "  (seed: 53.2% at q=0.99)",
+        + "  (paper: 53.2% at q=0.99)",
         "",
         "Table 2: quantile sweep (dispatch; overflow % = sends with any per-peer count > C, on the trace)",
         format_table(r["table2"], ["setting", "C", "S", "mean", "p99", "overflow_pct", "overflow_token_pct",
                                    "measured_overflow_pct", "gap_recovery_pct"]),
-        "seed:",
-        format_table(SEED_TABLE2, ["setting", "C", "mean", "p99", "overflow_pct", "gap_recovery_pct"]),
+        "paper:",
+        format_table(PAPER_TABLE2, ["setting", "C", "mean", "p99", "overflow_pct", "gap_recovery_pct"]),
         "",
         "Per-phase breakdown (µs, median; on a GPU each phase is replayed as its own graph)",
         format_table(_phase_rows(r["phases"]), ["method", *_phase_names(r["phases"]), "sum"]),
@@ -561,23 +590,40 @@ def draw_capspill_figures(record: dict, stem: str | Path) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moekit bench capspill", description=__doc__.split("\n")[0])
-    defaults = CapSpillBenchConfig()
-    p.add_argument("--world-size", type=int, default=defaults.world_size)
-    p.add_argument("--hidden", type=int, default=defaults.hidden)
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--quantile", type=float, default=defaults.quantile)
-    p.add_argument("--sweep", type=float, nargs="+", default=list(defaults.sweep))
+    d = CapSpillBenchConfig()
+
+    def by_device(name: str) -> str:
+        return f"(default: {GPU_DEFAULTS[name]} on GPUs, {CPU_DEFAULTS[name]} on the CPU)"
+
+    p.add_argument("--world-size", type=int, default=d.world_size,
+                   help="local ranks, >= 1, dividing the trace's experts and token rows (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=None, help=f"hidden size H of the tokens, >= 1 {by_device('hidden')}")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="activations' dtype: %(choices)s (default: bfloat16 on GPUs, float32 on the CPU)")
+    p.add_argument("--quantile", type=float, default=d.quantile,
+                   help="the main Cap-and-Spill capacity quantile, in [0, 1] (default %(default)s)")
+    p.add_argument("--sweep", type=float, nargs="+", default=list(d.sweep),
+                   help="quantiles of the Table 2 sweep, each in [0, 1] (default %(default)s)")
     p.add_argument("--trace", default=None, help="a saved RoutingTrace (.npz); default: the Mixtral preset")
-    p.add_argument("--trace-steps", type=int, default=defaults.trace_steps)
-    p.add_argument("--trace-layers", type=int, default=defaults.trace_layers)
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--iters", type=int, default=defaults.iters)
-    p.add_argument("--warmup", type=int, default=defaults.warmup)
-    p.add_argument("--phase-steps", type=int, default=defaults.phase_steps)
-    p.add_argument("--verify-steps", type=int, default=defaults.verify_steps)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--trace-steps", type=int, default=None,
+                   help=f"sequences of the preset trace, >= 1 {by_device('trace_steps')}")
+    p.add_argument("--trace-layers", type=int, default=d.trace_layers,
+                   help="layers of the preset trace, >= 1 (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"(sequence, layer) routings measured, >= 1 {by_device('steps')}")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed iterations per routing and series, >= 1 {by_device('iters')}")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed iterations before each, >= 0 {by_device('warmup')}")
+    p.add_argument("--phase-steps", type=int, default=None,
+                   help=f"steps in the per-phase breakdown, >= 0 {by_device('phase_steps')}")
+    p.add_argument("--verify-steps", type=int, default=None,
+                   help=f"steps checked bitwise against eager, >= 0 {by_device('verify_steps')}")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the inputs and weights, >= 0 (default %(default)s)")
+    p.add_argument("--out-dir", default="benchmarks/results",
+                   help="where the JSON record and figures go (default %(default)s)")
+    p.add_argument("--no-record", action="store_true", help="write no record or figures")
     return p
 
 

@@ -15,7 +15,9 @@ GPU count, versions, commit), the parameters, and the summary of every series.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
 from itertools import cycle
 
 import torch
@@ -30,6 +32,12 @@ from moekit.shapes import get_shape
 DISPATCHERS = {"alltoall": AllToAllDispatcher}
 
 
+# Timed iterations and warm-up by device: on the CPU (gloo) one deepseek-v3 dispatch takes
+# about 0.1 s, so the GPU's counts would run for minutes.
+GPU_DEFAULTS = {"iters": 1000, "warmup": 100}
+CPU_DEFAULTS = {"iters": 10, "warmup": 2}
+
+
 @dataclass(frozen=True)
 class DispatchBenchConfig:
     shape: str = "deepseek-v3"
@@ -40,8 +48,8 @@ class DispatchBenchConfig:
     top_k: int | None = None
     num_experts: int | None = None
     beta: float = 1.0
-    iters: int = 1000
-    warmup: int = 100
+    iters: int | None = None  # default: GPU_DEFAULTS / CPU_DEFAULTS
+    warmup: int | None = None
     pool: int = 16  # routings rotated through
     seed: int = 0
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
@@ -50,6 +58,17 @@ class DispatchBenchConfig:
         s = get_shape(self.shape)
         return s.scaled(hidden=self.hidden or s.hidden, top_k=self.top_k or s.top_k,
                         num_experts=self.num_experts or s.num_experts)
+
+    @property
+    def shape_label(self) -> str:
+        """The preset's name, or what the shape is when its sizes were changed."""
+        changed = [n for n in ("hidden", "top_k", "num_experts") if getattr(self, n) is not None]
+        return self.shape if not changed else f"{self.shape} with {', '.join(changed)} changed"
+
+    def for_device(self, on_gpu: bool) -> "DispatchBenchConfig":
+        """A copy with the unset counts taken from the device's defaults."""
+        defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
@@ -76,8 +95,12 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
     }
     out = {}
     for name, fn in series.items():
+        start = time.perf_counter()
         times = time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup)
         out[name] = times.max_us
+        if rank == 0:
+            print(f"[bench dispatch] {name}: {cfg.iters} iterations after {cfg.warmup} warm-up, "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rows_sent = [sum(d.handle.state["send_splits"]) for d in dispatched]
     rows_remote = [sum(d.handle.state["send_splits"]) - d.handle.state["send_splits"][rank] for d in dispatched]
     out["rows_sent_mean"] = sum(rows_sent) / len(rows_sent)
@@ -92,15 +115,21 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "bench
     """Run the benchmark on ``cfg.world_size`` local ranks; write and return the record."""
     if cfg.dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {cfg.dispatcher!r}")
-    if cfg.iters < 1 or cfg.warmup < 0 or cfg.pool < 1 or cfg.tokens_per_rank < 0:
-        raise ValueError("iters and pool must be >= 1, warmup and tokens_per_rank >= 0")
+    backend = default_backend(cfg.world_size) if isinstance(cfg.world_size, int) and cfg.world_size >= 1 else None
+    cfg = cfg.for_device(backend == "nccl")
+    for name, low in (("world_size", 1), ("tokens_per_rank", 0), ("iters", 1), ("warmup", 0), ("pool", 1),
+                      ("seed", 0)):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     shape = cfg.resolved_shape()
     shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
     if not 0 < cfg.beta <= 1:
         raise ValueError(f"beta must be in (0, 1], got {cfg.beta}")
     if cfg.dtype not in (None, "bfloat16", "float16", "float32"):
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
-    backend = default_backend(cfg.world_size)
+    print(f"[bench dispatch] {cfg.dispatcher} on {cfg.world_size} ranks ({backend}), {cfg.shape_label}, "
+          f"{cfg.tokens_per_rank} tokens/rank: 3 series of {cfg.iters} iterations", file=sys.stderr, flush=True)
     ranks = launch(_bench_rank, cfg.world_size, cfg, backend=backend)
     first = ranks[0]
     results = {name: summarize(first[name]) for name in ("dispatch", "combine", "dispatch+combine")}
@@ -109,7 +138,8 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "bench
     # Rows a rank sends to itself never cross the link: the bytes that do are these.
     results["bytes_to_other_ranks_mean"] = (sum(r["rows_remote_mean"] for r in ranks) / len(ranks)
                                             * first["bytes_per_row"])
-    params = asdict(cfg) | {"shape_resolved": asdict(shape), "backend": backend, "dtype": first["dtype"],
+    params = asdict(cfg) | {"shape_label": cfg.shape_label, "shape_resolved": asdict(shape), "backend": backend,
+                            "dtype": first["dtype"],
                             "timing": "slowest rank per iteration; ranks aligned before each iteration"}
     record = {"params": params, "results": results}
     if out_dir is not None:
@@ -120,7 +150,8 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "bench
 def format_dispatch_bench(record: dict) -> str:
     p, r = record["params"], record["results"]
     s = p["shape_resolved"]
-    head = (f"{p['dispatcher']} dispatcher, {p['world_size']} ranks ({p['backend']}), {p['shape']}: "
+    head = (f"{p['dispatcher']} dispatcher, {p['world_size']} ranks ({p['backend']}), "
+            f"{p.get('shape_label', p['shape'])}: "
             f"E={s['num_experts']} top-{s['top_k']} H={s['hidden']}, {p['tokens_per_rank']} tokens/rank, "
             f"{p['dtype']}, {p['iters']} iterations after {p['warmup']} warm-up\n"
             f"rows sent per rank (mean): {r['rows_sent_per_rank_mean']:.0f} "

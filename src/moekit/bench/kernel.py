@@ -1,6 +1,6 @@
 """`moekit bench kernel`: every fused-MoE kernel config, timed across batch sizes and routing skews.
 
-The dataset RaMP (seed 002) fits its cost model on, and the report of issue 4. For each model
+The dataset the RaMP paper fits its cost model on, and the fused kernel's report. For each model
 shape, batch size M and target routing balancedness beta (a *point*), every config of
 ``moekit.kernels.config_space`` (or every ``--config-stride``-th) runs
 ``moekit.kernels.fused_moe`` on the same inputs; the run records each config's median / p95 /
@@ -58,9 +58,11 @@ from moekit.bench.kernel_report import (
     save_table,
     summarize_table,
 )
+from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.report import environment, write_record
 from moekit.bench.stats import summarize
-from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold, time_fn
+from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold
+from moekit.bench.triton_kernels import load_kernels
 from moekit.routing import balancedness, expert_counts, synthetic_routing
 from moekit.shapes import MoEShape, get_shape
 
@@ -72,7 +74,7 @@ EP_LOCAL_EXPERTS = 32  # deepseek-v3-ep32: 256 experts over 8 ranks
 TINY_HIDDEN, TINY_INTERMEDIATE = 64, 32
 # Where the touched expert weights are at least this many times the L2 size, one call streams
 # them through L2 and evicts its own earlier lines (reuse distance >> L2): they cannot be in L2
-# at the next call's start, so the flush (~60 µs per replay on an H200) is skipped there.
+# at the next call's start, so the flush (a 256 MB read per replay) is skipped there.
 FLUSH_SKIP_FACTOR = 4
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -207,29 +209,20 @@ def resolve_dtype(cfg: KernelBenchConfig, device: torch.device) -> torch.dtype:
 
 
 def _kernels():
-    """moekit.kernels, imported on first use: without a GPU its kernels must be decorated under
-    Triton's interpreter, so TRITON_INTERPRET is set before the import."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import moekit.kernels as kernels
-
-    return kernels
+    """moekit.kernels for this machine (Triton's interpreter without a GPU); ValueError without Triton."""
+    return load_kernels(what="moekit bench kernel")
 
 
 # ------------------------------------------------------------------------ configs, ids
 
 
 def config_id(c) -> str:
-    """``T-bm16-bn64-bk128-w4-s4-g1-k4`` (T two_launch, F fused; ``-n256`` when GEMM2 has its
-    own tile, bn2; ``-x`` when FP8's dots are swapped, swap_ab): unique within the space."""
-    form = "F" if c.form == "fused" else "T"
-    wide = f"-n{c.bn2}" if c.bn2 else ""
-    swap = "-x" if c.swap_ab else ""
-    return f"{form}-bm{c.bm}-bn{c.bn}-bk{c.bk}-w{c.num_warps}-s{c.num_stages}-g{c.group_m}-k{c.split_k}{wide}{swap}"
+    """``c.id`` (:attr:`moekit.kernels.KernelConfig.id`), for the scripts that import it from here."""
+    return c.id
 
 
 def config_record(c) -> dict:
-    return {"id": config_id(c), **asdict(c)}
+    return {"id": c.id, **asdict(c)}
 
 
 def selected_configs(shape: BenchShape, cfg: KernelBenchConfig, device: torch.device, dtype: torch.dtype):
@@ -277,39 +270,10 @@ def point_work(shape: BenchShape, ids: torch.Tensor, elem_bytes: int) -> dict:
             "bytes": weight_bytes + (tokens + M) * H * elem_bytes, "flops": 6 * pairs * H * N}
 
 
-# ------------------------------------------------------------------------------ ceilings
-
-
-def _median_us(fn, device: torch.device, iters: int, warmup: int) -> float:
-    return summarize(time_fn(fn, iters=iters, warmup=warmup, device=device))["median"]
-
-
-def measure_ceilings(device: torch.device, dtype: torch.dtype, copy_bytes: int, matmul_n: int,
-                     iters: int = 20, warmup: int = 5) -> dict:
-    """HBM copy GB/s (bytes read + written) and matmul TFLOP/s (random data), medians.
-
-    Eager calls timed with events: each is long (a 1 GiB copy ~0.5 ms, an 8192^3 product
-    ~1.4 ms on an H200), so the host's launch gap is negligible.
-    """
-    g = torch.Generator(device=device).manual_seed(1)
-    src = torch.randn(copy_bytes // 4, generator=g, device=device)
-    dst = torch.empty_like(src)
-    copy_us = _median_us(lambda: dst.copy_(src), device, iters, warmup)
-    moved = 2 * src.numel() * 4
-    src = dst = None  # free the copy buffers before the matmul's
-    n = matmul_n
-    a = torch.randn(n, n, generator=g, device=device).to(dtype)
-    b = torch.randn(n, n, generator=g, device=device).to(dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-    mm_us = _median_us(lambda: torch.mm(a, b, out=c), device, iters, warmup)
-    return {"hbm_gbps": moved / (copy_us * 1e-6) / 1e9, "copy_bytes": copy_bytes,
-            "matmul_tflops": 2 * n**3 / (mm_us * 1e-6) / 1e12, "matmul_n": n, "matmul_dtype": str(dtype)}
-
-
 # ----------------------------------------------------------------------- time estimate
 
-# Rough per-item costs on the H200 machine (its host is slow: ~10 µs of CPU per launch).
-# They only size the device calls; the run prints its real progress and rate.
+# Rough per-item costs on a GPU machine whose host is slow (~10 µs of CPU per launch). They
+# only size the device calls; the run prints its real progress and rate.
 EST_COMPILE_S = 1.5  # one Triton kernel compile, one CPU core
 EST_CONFIG_S = 0.01  # per (config, M): first eager call + graph capture
 EST_CHECK_S = 0.002  # per (config, point): copy routing, one replay, error check
@@ -319,7 +283,7 @@ EST_SLOWDOWN = 2.5  # average config vs the roofline time
 EST_POINT_S = 0.5  # per point: routing, baseline (+ reference check), alignment timing
 EST_ROUTING_S_PER_4K = 1.0  # synthetic_routing's bisection at M = 4096
 EST_INTERPRET_CALL_S = 0.2  # one fused_moe call in Triton's interpreter (tiny shapes)
-NOMINAL_HBM_GBPS, NOMINAL_TFLOPS = 4300.0, 790.0  # measured on an H200 (docs/foundation.md)
+NOMINAL_HBM_GBPS, NOMINAL_TFLOPS = 4300.0, 790.0  # the reference device's rates (the H200 preset)
 
 
 def _roofline_us(shape: BenchShape, M: int, elem_bytes: int) -> float:
@@ -407,8 +371,8 @@ def _warm_task(task) -> tuple[str, str | None]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - any compile/launch failure is recorded, not fatal
-        return config_id(cfg), _one_line(error)
-    return config_id(cfg), None
+        return cfg.id, _one_line(error)
+    return cfg.id, None
 
 
 def _one_line(error: BaseException) -> str:
@@ -601,14 +565,14 @@ class KernelBench:
         for s in self.shapes:
             timed, defaults = self.timed_configs(s)
             for c in timed:
-                index.setdefault(config_id(c), len(index))
+                index.setdefault(c.id, len(index))
                 if len(configs) < len(index):
                     configs.append(config_record(c))
             shapes[s.name] = {
                 "num_experts": s.num_experts, "top_k": s.top_k, "hidden": s.hidden, "intermediate": s.intermediate,
                 "routed_experts": s.routed_experts, "space_size": len(self.configs[s.name][0]),
-                "configs": [index[config_id(c)] for c in timed],
-                "default": {str(M): index[config_id(d)] for M, d in defaults.items()},
+                "configs": [index[c.id] for c in timed],
+                "default": {str(M): index[d.id] for M, d in defaults.items()},
             }
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.cfg).items()}
         from moekit.kernels.pdl import pdl_on
@@ -808,33 +772,55 @@ def write_outputs(table: dict, out_dir: str | Path | None, kind: str = "kernel")
 # ----------------------------------------------------------------------------------- CLI
 
 
+# The command line's defaults on the CPU, where every kernel call runs in Triton's interpreter
+# (~0.2 s each at the --tiny sizes): the GPU's defaults (KernelBenchConfig's) would take
+# about 11 hours there; these take seconds and still run every step of the pipeline.
+CPU_DEFAULTS = dict(models=("mixtral-8x7b",), m_values=(1, 16), betas=(1.0, 0.5), iters=3, warmup=1,
+                    config_stride=20)
+
+
+def _by_device(name: str) -> str:
+    gpu, cpu = getattr(KernelBenchConfig(), name), CPU_DEFAULTS[name]
+    if isinstance(gpu, tuple):
+        gpu, cpu = " ".join(map(str, gpu)), " ".join(map(str, cpu))
+    return f"(default: {gpu} on GPUs, {cpu} on the CPU)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = KernelBenchConfig()
     p = argparse.ArgumentParser(prog="moekit bench kernel", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(d.models), choices=MODELS)
-    p.add_argument("--m", dest="m_values", type=int, nargs="+", default=list(d.m_values), help="batch sizes M")
-    p.add_argument("--betas", type=float, nargs="+", default=list(d.betas), help="target balancedness, in (0, 1]")
-    p.add_argument("--iters", type=int, default=d.iters, help="timed replays per (config, point)")
-    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--models", nargs="+", default=None, choices=MODELS, metavar="MODEL",
+                   help=f"model shapes: %(choices)s {_by_device('models')}")
+    p.add_argument("--m", dest="m_values", type=int, nargs="+", default=None,
+                   help=f"batch sizes M, each in [1, 1048576] {_by_device('m_values')}")
+    p.add_argument("--betas", type=float, nargs="+", default=None,
+                   help=f"target balancedness, each in (0, 1] {_by_device('betas')}")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed replays per (config, point), >= 1 {_by_device('iters')}")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed replays before them, >= 0 {_by_device('warmup')}")
     p.add_argument("--slow-iters", type=int, default=None,
                    help="timed replays for a config whose check replay took >= --slow-factor x the fastest so far "
                         "at that point (default: --iters for every config)")
-    p.add_argument("--slow-factor", type=float, default=d.slow_factor)
-    p.add_argument("--config-stride", type=int, default=d.config_stride, help="time every n-th config of the space")
-    p.add_argument("--config-offset", type=int, default=d.config_offset, help="... starting at this index")
+    p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="see --slow-iters; > 1")
+    p.add_argument("--config-stride", type=int, default=None,
+                   help=f"time every n-th config of the space, >= 1 {_by_device('config_stride')}")
+    p.add_argument("--config-offset", type=int, default=d.config_offset, help="... starting at this index, >= 0")
     p.add_argument("--dtype", default=None, choices=list(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--tiny", action="store_true", help=f"H={TINY_HIDDEN}, N={TINY_INTERMEDIATE} (CPU runs)")
     p.add_argument("--hidden", type=int, default=None, help="replace every shape's H")
     p.add_argument("--intermediate", type=int, default=None, help="replace every shape's N")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--baseline", default=d.baseline, choices=BASELINE_IMPLS)
-    p.add_argument("--tol", type=float, default=d.tol, help="max relative error vs the baseline")
-    p.add_argument("--compile-workers", type=int, default=None, help="default: min(16, cores) on GPU; 0: none")
-    p.add_argument("--flush-mb", type=int, default=d.flush_mb, help="L2 flush read before each timed replay")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs and routing, >= 0")
+    p.add_argument("--baseline", default=d.baseline, choices=BASELINE_IMPLS,
+                   help="the torch baseline: %(choices)s (auto: grouped_mm where torch has it)")
+    p.add_argument("--tol", type=float, default=d.tol, help="max relative error vs the baseline, in (0, 1)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes filling Triton's cache first, >= 0 (default: min(16, cores) on GPU; 0: none)")
+    p.add_argument("--flush-mb", type=int, default=d.flush_mb, help="L2 flush read before each timed replay, >= 0")
     p.add_argument("--always-flush", action="store_true",
                    help=f"flush also where the touched weights are >= {FLUSH_SKIP_FACTOR}x L2")
-    p.add_argument("--queue-ahead-us", type=float, default=d.queue_ahead_us)
+    p.add_argument("--queue-ahead-us", type=float, default=d.queue_ahead_us,
+                   help="GPU sleep per timed replay queued ahead, so the host's launches are not timed, >= 0")
     p.add_argument("--copy-mb", type=int, default=None, help="HBM ceiling copy size (default 1024 GPU / 64 CPU)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192 GPU / 256 CPU)")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -842,8 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
     p.add_argument("--merge", nargs="+", default=None, metavar="TABLE",
                    help="no run: merge these -table.json.gz files and write one report")
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where the record, table and figures go")
+    p.add_argument("--no-record", action="store_true", help="write no record, table or figures")
     return p
 
 
@@ -851,10 +837,13 @@ def config_from_args(args) -> KernelBenchConfig:
     hidden, inter = args.hidden, args.intermediate
     if args.tiny:
         hidden, inter = hidden or TINY_HIDDEN, inter or TINY_INTERMEDIATE
+    defaults = asdict(KernelBenchConfig()) if torch.cuda.is_available() else CPU_DEFAULTS
+    given = {name: getattr(args, name) for name in CPU_DEFAULTS}
+    chosen = {name: (defaults[name] if value is None else value) for name, value in given.items()}
     return KernelBenchConfig(
-        models=tuple(args.models), m_values=tuple(args.m_values), betas=tuple(args.betas), iters=args.iters,
-        warmup=args.warmup, slow_iters=args.slow_iters, slow_factor=args.slow_factor,
-        config_stride=args.config_stride, config_offset=args.config_offset, dtype=args.dtype,
+        models=tuple(chosen["models"]), m_values=tuple(chosen["m_values"]), betas=tuple(chosen["betas"]),
+        iters=chosen["iters"], warmup=chosen["warmup"], slow_iters=args.slow_iters, slow_factor=args.slow_factor,
+        config_stride=chosen["config_stride"], config_offset=args.config_offset, dtype=args.dtype,
         hidden=hidden, intermediate=inter, seed=args.seed, baseline=args.baseline, tol=args.tol,
         compile_workers=args.compile_workers, flush_mb=args.flush_mb, always_flush=args.always_flush,
         queue_ahead_us=args.queue_ahead_us,
@@ -877,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         record = write_outputs(merge_tables([load_table(p) for p in args.merge]), out_dir)
         _print_outputs(record)
         return 0
-    bench = KernelBench(config_from_args(args), log=lambda s: print(s, flush=True))
+    bench = KernelBench(config_from_args(args), log=lambda s: print(s, file=sys.stderr, flush=True))
     if args.dry_run:
         print(bench.describe())
         return 0

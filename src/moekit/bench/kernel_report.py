@@ -39,13 +39,14 @@ import numpy as np
 
 from moekit.bench.report import format_table, new_figure, save_figure, to_jsonable
 from moekit.bench.stats import geomean
+from moekit.jsonfile import read_json
 
 TABLE_FORMAT = "moekit-kernel-table"
 TABLE_VERSION = 1
 TABLE_KEYS = ("environment", "params", "configs", "shapes", "points")
 SAMPLE_COLUMNS = ("median_us", "p95_us", "min_us", "iters")  # per point, one value per config of its shape
 
-# Goals of issue 4 for the H200 (benchmark goals, not tests).
+# The fused kernel's goals on an H200 (benchmark goals, not tests).
 GOAL_SMALL_M = 16  # "at M <= 16 ..."
 GOAL_HBM_FRACTION = 0.70  # "... the best config reaches 70% of measured HBM bandwidth"
 GOAL_TC_SHAPE, GOAL_TC_M, GOAL_TC_FRACTION = "mixtral-8x7b", 4096, 0.50
@@ -79,15 +80,7 @@ def load_table(path: str | Path) -> dict:
     file and what is wrong.
     """
     path = Path(path)
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            table = json.load(f)
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise ValueError(f"{path}: not a gzip file ({error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not gzip-compressed UTF-8 JSON ({error})") from error
+    table = read_json(path, "a kernel table", gzipped=True)
     if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
         raise ValueError(f"{path}: not a {TABLE_FORMAT} file")
     if table.get("version") != TABLE_VERSION:

@@ -1,4 +1,4 @@
-"""`moekit bench lowlatency`: dispatch and combine latency of the low-latency layer (seed 004)
+"""`moekit bench lowlatency`: dispatch and combine latency of the low-latency layer (the Low-Latency EP All-to-All Layer)
 against the eager all-to-all and torch's ``all_to_all_vdev_2d``, with the byte floor.
 
 What runs. For each tokens-per-rank T (default 1, 8, 32, 128, 256) every rank holds fixed
@@ -39,39 +39,49 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moekit.bench.perfetto import load_trace
+from moekit.perfetto import load_trace
 from moekit.bench.report import format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
+from moekit.bench.timing import capture_graph, queue_timed
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
 from moekit.ep.dispatcher import weighted_slot_sum
 from moekit.shapes import get_shape
 
 METHODS = ("lowlatency", "alltoall", "vdev2d")
 SERIES = ("dispatch", "combine", "total")
-GOAL_US, GOAL_TOKENS = 30.0, 128  # issue 6: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
+GOAL_US, GOAL_TOKENS = 30.0, 128  # the layer's target: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
+
+
+# Points and counts by device. On the CPU (gloo) one deepseek-v3 step takes milliseconds, so
+# the GPU's 1000 iterations at five token counts would run for many minutes.
+GPU_DEFAULTS = dict(tokens=(1, 8, 32, 128, 256), iters=1000, warmup=50)
+CPU_DEFAULTS = dict(tokens=(1, 8, 32), iters=10, warmup=2)
 
 
 @dataclass(frozen=True)
 class LowLatencyBenchConfig:
+    """What ``run_lowlatency_bench`` measures; None fields take the device's default
+    (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``, :meth:`for_device`)."""
+
     world_size: int = 2
     shape: str = "deepseek-v3"
     hidden: int | None = None  # default: the shape's
     top_k: int | None = None
     num_experts: int | None = None
     peer_experts: int = 32  # E for the all_to_all_vdev_2d comparison (<= 16 per rank)
-    tokens: tuple[int, ...] = (1, 8, 32, 128, 256)
+    tokens: tuple[int, ...] | None = None
     online_fp8: bool = True
     methods: tuple[str, ...] = METHODS
-    iters: int = 1000
-    warmup: int = 50
+    iters: int | None = None
+    warmup: int | None = None
     routings: int = 32  # random routings cycled through
     bandwidth_mb: int = 256  # size of the peer copy that measures the bandwidth
     trace_dir: str | None = None  # write Perfetto traces of a profiled run here
@@ -80,20 +90,37 @@ class LowLatencyBenchConfig:
     def __post_init__(self) -> None:
         for name in ("world_size", "iters", "routings", "bandwidth_mb", "peer_experts"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+        if self.warmup is not None and (isinstance(self.warmup, bool) or not isinstance(self.warmup, int)
+                                        or self.warmup < 0):
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        if not self.tokens or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in self.tokens):
+        if self.tokens is not None and (not self.tokens or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in self.tokens)):
             raise ValueError(f"tokens must be ints >= 1, got {self.tokens!r}")
+        for name in ("hidden", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         unknown = set(self.methods) - set(METHODS)
         if unknown or not self.methods:
             raise ValueError(f"methods must be among {list(METHODS)}, got {list(self.methods)}")
         get_shape(self.shape)  # raises for an unknown shape
 
+    def for_device(self, on_gpu: bool) -> "LowLatencyBenchConfig":
+        """A copy with the unset points and counts taken from the device's defaults."""
+        defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
     @property
     def max_m(self) -> int:
         return max(self.tokens)
+
+    @property
+    def shape_label(self) -> str:
+        """The preset's name, or what the shape is when its sizes were changed."""
+        changed = [n for n in ("hidden", "top_k", "num_experts") if getattr(self, n) is not None]
+        return self.shape if not changed else f"{self.shape} with {', '.join(changed)} changed"
 
     def resolved(self) -> tuple[int, int, int]:
         """(hidden, top_k, num_experts)."""
@@ -133,11 +160,10 @@ def _aligner(on_cuda: bool):
     return align
 
 
-# On a GPU the timed loop runs in chunks of QUEUE_CHUNK iterations, each queued behind a
-# QUEUE_SLEEP_CYCLES-cycle sleep kernel (about 4 ms), so the host has queued the whole chunk
-# before the GPU starts it: the events then time the GPU's work, not the host's launch rate.
-QUEUE_CHUNK = 25
-QUEUE_SLEEP_CYCLES = 8_000_000
+# On a GPU the timed iterations are queued ahead of the GPU (moekit.bench.timing.queue_timed)
+# behind a sleep of this many µs per iteration: enough for the host to queue a step's
+# launches, the routing copy included, before the GPU reaches them.
+QUEUE_AHEAD_US = 160.0
 
 
 def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> list[list[float]]:
@@ -145,42 +171,27 @@ def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> lis
     between two calls). Returns, per fn, the slowest rank's µs per iteration, and last the
     slowest rank's sum over the fns.
 
-    Steady state, as in a serving loop: the ranks are aligned once before the timed loop and
-    then run step after step without a barrier; the waits inside the layer keep them in
-    lockstep. (Aligning before every iteration instead adds the barrier's exit skew between
-    ranks, tens of µs on the device VM, to every dispatch.)
+    Steady state, as in a serving loop: the ranks are aligned before the warm-up and again
+    before the timed loop, then run step after step without a barrier; the waits inside the
+    layer keep them in lockstep. (Aligning before every iteration instead adds the barrier's
+    exit skew between ranks, tens of µs on the device VM, to every dispatch.)
 
-    On a GPU the iterations are queued ahead (``QUEUE_CHUNK``): the device VM's host needs
+    On a GPU the iterations are queued ahead (``queue_timed``): the device VM's host needs
     ~10 µs per launch, more than a small step takes on the GPU, and an event recorded before
     a launch the host has not made yet would time the host. A method that syncs with the host
     inside its call (the eager all-to-all) is timed as before: the sleep only delays it."""
     align = _aligner(on_cuda)
-    marks = []
-    for i in range(warmup + iters):
-        bank.write(i)
-        if i == 0 or i == warmup:
-            align()
-        if on_cuda and (i - warmup) % QUEUE_CHUNK == 0:
-            torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
-        if on_cuda:
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
-            e[0].record()
-            for fn, end in zip(fns, e[1:]):
-                fn()
-                end.record()
-        else:
-            e = [time.perf_counter_ns()]
-            for fn in fns:
-                fn()
-                e.append(time.perf_counter_ns())
-        if i >= warmup:
-            marks.append(e)
-    if on_cuda:
-        torch.cuda.synchronize()
-        per_fn = [[m[j].elapsed_time(m[j + 1]) * 1e3 for m in marks] for j in range(len(fns))]
-    else:
-        per_fn = [[(m[j + 1] - m[j]) / 1e3 for m in marks] for j in range(len(fns))]
+    written = [0]
+
+    def next_routing() -> None:
+        bank.write(written[0])
+        written[0] += 1
+
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    align()
+    samples = queue_timed(fns, iters=iters, warmup=warmup, device=device, before_each=next_routing,
+                          after_warmup=align, queue_ahead_us=QUEUE_AHEAD_US)
+    per_fn = samples()
     mine = torch.tensor(per_fn, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -201,8 +212,6 @@ def _graphed(fn, on_cuda: bool):
     """A CUDA graph's replay on a GPU (captured now), ``fn`` itself on the CPU."""
     if not on_cuda:
         return fn
-    from moekit.bench.timing import capture_graph
-
     graph = capture_graph(fn)
     return graph.replay
 
@@ -236,7 +245,7 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
             layers[f"lowlatency@{cfg.peer_experts}"] = cfg.peer_experts
     for T in cfg.tokens:
         for name, E_m in layers.items():
-            _progress(rank, f"{name} T={T}")
+            _progress(rank, f"{name} T={T}: {cfg.iters} iterations after {cfg.warmup} warm-up")
             layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E_m, online_fp8=cfg.online_fp8, dtype=torch.bfloat16)
             bank = _Bank(T, H, K, E_m, cfg.routings, cfg.seed * 1000 + rank, device)
             expert_out = torch.randn(layer.experts_per_rank, layer.capacity, H, device=device).to(torch.bfloat16)
@@ -268,7 +277,7 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
             layer.finalize()
             del layer, expert_out, held
         if "alltoall" in cfg.methods:
-            _progress(rank, f"alltoall T={T}")
+            _progress(rank, f"alltoall T={T}: {cfg.iters} iterations after {cfg.warmup} warm-up")
             eager = AllToAllDispatcher(E, hidden=H, top_k=K)
             bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
             held = {}
@@ -439,7 +448,7 @@ def _bench_vdev2d(rank: int, world_size: int, cfg: LowLatencyBenchConfig) -> dic
 
 def _progress(rank: int, what: str) -> None:
     if rank == 0:
-        print(f"[bench lowlatency] {what}", flush=True)
+        print(f"[bench lowlatency] {what}", file=sys.stderr, flush=True)
 
 
 def measure_peer_bandwidth(mb: int) -> float | None:
@@ -470,11 +479,12 @@ def measure_peer_bandwidth(mb: int) -> float | None:
 def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "benchmarks/results",
                          figures: bool = True) -> dict:
     """Run every method on ``cfg.world_size`` local ranks; write and return the record."""
+    backend = default_backend(cfg.world_size)
+    cfg = cfg.for_device(backend == "nccl")
     H, K, E = cfg.resolved()
     for name, value in (("num_experts", E), ("peer_experts", cfg.peer_experts)):
         if value % cfg.world_size:
             raise ValueError(f"{name}={value} must be a multiple of world_size={cfg.world_size}")
-    backend = default_backend(cfg.world_size)
     bandwidth = measure_peer_bandwidth(cfg.bandwidth_mb) if backend == "nccl" else None
     vdev2d_skip = None
     if "vdev2d" in cfg.methods:
@@ -486,7 +496,8 @@ def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "b
     peer = launch(_bench_vdev2d, cfg.world_size, cfg, backend=backend) if run_vdev2d else None
     results = _results(cfg, main, peer, bandwidth, E, vdev2d_skip)
     params = asdict(cfg) | dict(
-        hidden=H, top_k=K, num_experts=E, max_m=cfg.max_m, backend=backend, device=main[0]["device"],
+        shape_label=cfg.shape_label, hidden=H, top_k=K, num_experts=E, max_m=cfg.max_m, backend=backend,
+        device=main[0]["device"],
         cuda_graphs=backend == "nccl", dtype="bfloat16", wire="fp8 e4m3 + float32 scales" if cfg.online_fp8 else
         "bfloat16", timing="slowest rank per iteration; ranks aligned once before the timed loop, then steady state "
                            "(GPU: iterations queued ahead in chunks); dispatch and combine timed back to back in "
@@ -572,7 +583,8 @@ def format_lowlatency_bench(record: dict) -> str:
     p, r = record["params"], record["results"]
     lines = [
         f"Low-latency EP layer on {p['world_size']} ranks ({p['backend']}, {p['device']}, "
-        f"{'CUDA graphs' if p['cuda_graphs'] else 'eager, no CUDA graphs'}); {p['shape']}: H={p['hidden']} "
+        f"{'CUDA graphs' if p['cuda_graphs'] else 'eager, no CUDA graphs'}); {p.get('shape_label', p['shape'])}: "
+        f"H={p['hidden']} "
         f"top-{p['top_k']} E={p['num_experts']}, max_m={p['max_m']}, wire {p['wire']}; "
         f"{p['iters']} iterations per point (µs, slowest rank)",
         format_table(_rows(record), ["method", "T", "d_med", "d_p95", "d_p99", "c_med", "c_p95", "c_p99",
@@ -621,7 +633,8 @@ def draw_lowlatency_figure(record: dict, path: str | Path) -> Path:
         ax.xaxis.set_minor_locator(matplotlib_null_locator())
         ax.legend(fontsize=7)
     p = record["params"]
-    fig.suptitle(f"{p['shape']} (H={p['hidden']}, top-{p['top_k']}, E={p['num_experts']}) on {p['world_size']} "
+    fig.suptitle(f"{p.get('shape_label', p['shape'])} (H={p['hidden']}, top-{p['top_k']}, E={p['num_experts']}) "
+                 f"on {p['world_size']} "
                  f"ranks ({p['device']})")
     return save_figure(fig, path)
 
@@ -636,32 +649,52 @@ def matplotlib_null_locator():
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moekit.shapes import PRESETS
+
     p = argparse.ArgumentParser(prog="moekit bench lowlatency", description=__doc__.split("\n")[0])
     d = LowLatencyBenchConfig()
-    p.add_argument("--world-size", type=int, default=d.world_size)
-    p.add_argument("--shape", default=d.shape)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--peer-experts", type=int, default=d.peer_experts, help="E for the all_to_all_vdev_2d comparison")
-    p.add_argument("--tokens", type=int, nargs="+", default=list(d.tokens), help="tokens per rank")
+
+    def by_device(name: str) -> str:
+        gpu, cpu = GPU_DEFAULTS[name], CPU_DEFAULTS[name]
+        if isinstance(gpu, tuple):
+            gpu, cpu = " ".join(map(str, gpu)), " ".join(map(str, cpu))
+        return f"(default: {gpu} on GPUs, {cpu} on the CPU)"
+
+    p.add_argument("--world-size", type=int, default=d.world_size,
+                   help="local ranks, >= 1, dividing the experts (default %(default)s)")
+    p.add_argument("--shape", default=d.shape, choices=sorted(PRESETS), metavar="SHAPE",
+                   help="model shape preset: %(choices)s (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=None, help="replace the shape's hidden size H, >= 1")
+    p.add_argument("--top-k", type=int, default=None, help="replace the shape's experts per token K, >= 1")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="replace the shape's expert count E, >= 1, a multiple of --world-size")
+    p.add_argument("--peer-experts", type=int, default=d.peer_experts,
+                   help="E for the all_to_all_vdev_2d comparison, at most 16 per rank (default %(default)s)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help=f"tokens per rank, each >= 1 {by_device('tokens')}")
     p.add_argument("--bf16-wire", action="store_true", help="send bf16 instead of online FP8")
-    p.add_argument("--methods", nargs="+", default=list(d.methods), choices=METHODS)
-    p.add_argument("--iters", type=int, default=d.iters)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--routings", type=int, default=d.routings)
-    p.add_argument("--bandwidth-mb", type=int, default=d.bandwidth_mb)
+    p.add_argument("--methods", nargs="+", default=list(d.methods), choices=METHODS,
+                   help="what to time: %(choices)s (default: all)")
+    p.add_argument("--iters", type=int, default=None, help=f"timed iterations per point, >= 1 {by_device('iters')}")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed iterations first, >= 0 {by_device('warmup')}")
+    p.add_argument("--routings", type=int, default=d.routings,
+                   help="random routings cycled through, >= 1 (default %(default)s)")
+    p.add_argument("--bandwidth-mb", type=int, default=d.bandwidth_mb,
+                   help="MB of the GPU 0 -> GPU 1 copy that measures the peer bandwidth, >= 1 (default %(default)s)")
     p.add_argument("--trace-dir", default=None, help="write Perfetto traces of a profiled run here")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the inputs and routings, >= 0 (default %(default)s)")
+    p.add_argument("--out-dir", default="benchmarks/results",
+                   help="where the JSON record and figure go (default %(default)s)")
+    p.add_argument("--no-record", action="store_true", help="write no record or figure")
     return p
 
 
 def config_from_args(args) -> LowLatencyBenchConfig:
     return LowLatencyBenchConfig(
         world_size=args.world_size, shape=args.shape, hidden=args.hidden, top_k=args.top_k,
-        num_experts=args.num_experts, peer_experts=args.peer_experts, tokens=tuple(args.tokens),
+        num_experts=args.num_experts, peer_experts=args.peer_experts,
+        tokens=tuple(args.tokens) if args.tokens is not None else None,
         online_fp8=not args.bf16_wire, methods=tuple(args.methods), iters=args.iters, warmup=args.warmup,
         routings=args.routings, bandwidth_mb=args.bandwidth_mb, trace_dir=args.trace_dir, seed=args.seed)
 

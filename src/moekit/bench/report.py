@@ -6,8 +6,8 @@ A benchmark run writes one JSON record::
 
 where ``environment`` says where the numbers came from (device, GPU count, torch, CUDA
 and Triton versions, git commit, time), so that a number quoted anywhere can be traced to
-the device it was measured on. Records load with :func:`json.loads` only: reading a
-record never runs code from it.
+the device it was measured on. Records load with :func:`load_record`, which parses JSON
+only: reading a record never runs code from it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from moekit.jsonfile import read_json
 
 RECORD_KEYS = ("kind", "environment", "params", "results")
 
@@ -200,31 +202,32 @@ def _write_new_file(path: Path, text: str) -> Path:
     raise FileExistsError(f"{path}: too many records with this name")
 
 
-def load_record(path: str | Path) -> dict:
-    """Read a record written by :func:`write_record`.
+def load_record(record: str | Path | dict, kind: str | None = None) -> dict:
+    """A record written by :func:`write_record`, read from its path (or checked as given).
 
-    Only parses JSON (never runs code from the file). A file that is not UTF-8 JSON, or
-    not an object with ``kind`` (a string) and ``environment``, ``params``, ``results``
-    (objects), raises :class:`ValueError` naming the file and what is wrong.
+    Only parses JSON (:func:`moekit.jsonfile.read_json`: never runs code from the file). A
+    file that cannot be read, is not UTF-8 JSON, or is not an object with ``kind`` (a
+    string) and ``environment``, ``params``, ``results`` (objects) raises
+    :class:`ValueError` naming the file and what is wrong; so does a record of another
+    ``kind`` than the one asked for.
     """
-    path = Path(path)
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not a UTF-8 text file ({error})") from error
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
-    missing = [key for key in RECORD_KEYS if key not in record]
+    if isinstance(record, dict):
+        where, data = "record", record
+    else:
+        where, data = str(record), read_json(record, "a benchmark record")
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    missing = [key for key in RECORD_KEYS if key not in data]
     if missing:
-        raise ValueError(f"{path}: record is missing {', '.join(missing)}")
-    if not isinstance(record["kind"], str):
-        raise ValueError(f"{path}: 'kind' must be a string")
+        raise ValueError(f"{where}: record is missing {', '.join(missing)}")
+    if not isinstance(data["kind"], str):
+        raise ValueError(f"{where}: 'kind' must be a string")
     for key in RECORD_KEYS[1:]:
-        if not isinstance(record[key], dict):
-            raise ValueError(f"{path}: '{key}' must be a JSON object")
-    return record
+        if not isinstance(data[key], dict):
+            raise ValueError(f"{where}: '{key}' must be a JSON object")
+    if kind is not None and data["kind"] != kind:
+        raise ValueError(f"{where}: expected a {kind!r} record, got kind {data['kind']!r}")
+    return data
 
 
 # --------------------------------------------------------------------------------- tables
@@ -312,16 +315,17 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, **figure_kwargs):
+def new_figure(nrows: int = 1, ncols: int = 1, *, subplots: dict | None = None, **figure_kwargs):
     """A matplotlib ``(figure, axes)`` drawn by the Agg backend.
 
-    The figure is made without pyplot, so it needs no display, changes no global
-    backend, and is freed when dropped.
+    ``figure_kwargs`` go to the Figure (e.g. ``figsize``), ``subplots`` to its ``subplots``
+    (e.g. ``squeeze``, ``sharex``, ``gridspec_kw``). The figure is made without pyplot, so it
+    needs no display, changes no global backend, and is freed when dropped.
     """
     Figure, FigureCanvasAgg = _matplotlib()
     figure = Figure(**figure_kwargs)
     FigureCanvasAgg(figure)
-    return figure, figure.subplots(nrows, ncols)
+    return figure, figure.subplots(nrows, ncols, **(subplots or {}))
 
 
 def save_figure(fig, path: str | Path, dpi: int = 150) -> Path:

@@ -1,9 +1,9 @@
 """Summary statistics for benchmark samples.
 
 Every timing function in :mod:`moekit.bench.timing` returns per-iteration samples in
-microseconds; :func:`summarize` turns them into the numbers the seeds report (mean,
+microseconds; :func:`summarize` turns them into the numbers the papers report (mean,
 median, p95, p99, ...). Comparisons are reported as ratios (:func:`ratio`) and, over many
-operating points, as a geometric mean of ratios (:func:`geomean`), as the RaMP seed does.
+operating points, as a geometric mean of ratios (:func:`geomean`), as the RaMP paper does.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ All functions return per-iteration samples in microseconds, warm-up excluded, re
 * :func:`time_distributed` — one timed region on every rank, ranks aligned before each
   iteration; a collective's latency is that of its slowest rank.
 * :class:`PhaseTimer` — named phases inside one iteration (e.g. pack / all-to-all / unpack).
+* :func:`queue_timed` — the one queued timer: iterations queued ahead of the GPU behind a
+  sleep, so the samples are GPU time even where the host launches slower than the GPU runs;
+  :func:`time_cold` / :func:`queue_cold` add an L2 flush before each iteration.
 
 Device work is asynchronous, so on CUDA we never read a host clock: each iteration is
 bracketed by a pair of CUDA events on the current stream, and the host waits once, after
@@ -20,7 +23,7 @@ for it before returning.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -63,32 +66,34 @@ def _elapsed_us(starts: list, ends: list) -> list[float]:
 
 
 def _queue_with_events(
-    fn: Callable[[], object], iters: int, device: torch.device, before_each=None
-) -> Callable[[], list[float]]:
-    """Bracket each call of ``fn`` with CUDA events, without waiting for the GPU.
+    fns: Sequence[Callable[[], object]], iters: int, device: torch.device, before_each=None
+) -> Callable[[], list[list[float]]]:
+    """Per iteration, call ``fns`` back to back with a CUDA event before the first and after
+    each, without waiting for the GPU.
 
-    Returns a function that waits for the last event and gives the samples (µs).
-    ``before_each`` runs before the start event is recorded (outside the timed region);
-    :func:`time_distributed` uses it to align the ranks.
+    Returns a function that waits for the last event and gives, per fn, its samples (µs).
+    ``before_each`` runs before the first event of an iteration (outside the timed region):
+    :func:`time_distributed` aligns the ranks with it, :func:`queue_timed` queues its sleeps
+    and the caller's untimed work.
     """
     with torch.cuda.device(device):
-        # A fresh event pair per iteration, read only after the final sync: reusing
-        # events would force a host wait inside the loop.
-        starts = [_timing_event() for _ in range(iters)]
-        ends = [_timing_event() for _ in range(iters)]
-        # Record on the stream that was current when timing began, even if fn swaps
+        # Fresh events per iteration, read only after the final sync: reusing events would
+        # force a host wait inside the loop.
+        marks = [[_timing_event() for _ in range(len(fns) + 1)] for _ in range(iters)]
+        # Record on the stream that was current when timing began, even if a fn swaps
         # streams internally.
         stream = torch.cuda.current_stream()
-        for start, end in zip(starts, ends):
+        for events in marks:
             if before_each is not None:
                 before_each()
-            start.record(stream)
-            fn()
-            end.record(stream)
+            events[0].record(stream)
+            for fn, end in zip(fns, events[1:]):
+                fn()
+                end.record(stream)
 
-    def samples() -> list[float]:
-        ends[-1].synchronize()
-        return _elapsed_us(starts, ends)
+    def samples() -> list[list[float]]:
+        marks[-1][-1].synchronize()
+        return [_elapsed_us([m[j] for m in marks], [m[j + 1] for m in marks]) for j in range(len(fns))]
 
     return samples
 
@@ -97,25 +102,36 @@ def _time_with_events(
     fn: Callable[[], object], iters: int, device: torch.device, before_each=None
 ) -> list[float]:
     """Bracket each call of ``fn`` with CUDA events; one host sync, at the end."""
-    samples = _queue_with_events(fn, iters, device, before_each)
+    samples = _queue_with_events([fn], iters, device, before_each)
     torch.cuda.synchronize(device)
-    return samples()
+    return samples()[0]
+
+
+def _host_clock_samples(
+    fns: Sequence[Callable[[], object]], iters: int, sync_fn=None, before_each=None
+) -> list[list[float]]:
+    """Per iteration, ``perf_counter_ns`` before the first of ``fns`` and after each (after
+    ``sync_fn``, which runs inside the timed region); per fn, its samples (µs)."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(iters):
+        if before_each is not None:
+            before_each()
+        last = time.perf_counter_ns()
+        for fn, out in zip(fns, samples):
+            fn()
+            if sync_fn is not None:
+                sync_fn()
+            now = time.perf_counter_ns()
+            out.append((now - last) / 1e3)
+            last = now
+    return samples
 
 
 def _time_with_host_clock(
     fn: Callable[[], object], iters: int, sync_fn=None, before_each=None
 ) -> list[float]:
     """Time each call of ``fn`` with ``perf_counter_ns``; ``sync_fn`` runs inside the region."""
-    samples = []
-    for _ in range(iters):
-        if before_each is not None:
-            before_each()
-        start = time.perf_counter_ns()
-        fn()
-        if sync_fn is not None:
-            sync_fn()
-        samples.append((time.perf_counter_ns() - start) / 1e3)
-    return samples
+    return _host_clock_samples([fn], iters, sync_fn, before_each)[0]
 
 
 def time_fn(
@@ -362,14 +378,95 @@ class PhaseTimer:
         }
 
 
+# ----------------------------------------------------------- GPU work only, queued ahead
+
+# torch.cuda._sleep counts GPU clock cycles; 2 cycles per ns is about an H100/H200 under load
+# (1.98 GHz). At a lower clock the sleep only lasts longer, which is harmless.
+_SLEEP_CYCLES_PER_US = 2000
+# Timed iterations per queued sleep. The host can only run as far ahead as the GPU's launch
+# queue holds (about a thousand launches); one sleep per chunk renews the head start, so a
+# long run never lets the GPU catch up with the host.
+QUEUE_CHUNK = 25
+
+
+def queue_timed(
+    fns: Callable[[], object] | Sequence[Callable[[], object]],
+    *,
+    iters: int,
+    warmup: int,
+    device: torch.device | str | int | None = None,
+    before_each: Callable[[], object] | None = None,
+    after_warmup: Callable[[], object] | None = None,
+    queue_ahead_us: float = 20.0,
+    chunk: int = QUEUE_CHUNK,
+) -> Callable[[], list[list[float]]]:
+    """Time the GPU work of ``fns`` (one callable or several, called back to back, each timed
+    on its own), with the host's launch time kept out of the samples.
+
+    Device work is queued, so an event records when the GPU reaches it; but where the host
+    needs longer to launch a call (~10 µs per launch on a slow host) than the GPU needs to
+    run it, the GPU waits for the launch between two events and the sample times the host.
+    Here the host never waits inside the loop, and before every ``chunk`` timed iterations
+    the stream gets a ``torch.cuda._sleep`` of about ``chunk * queue_ahead_us`` µs: the host
+    queues the chunk while the GPU sleeps, so the events see the GPU's work only.
+
+    Each of the ``warmup`` untimed and ``iters`` timed iterations runs ``before_each`` first
+    (outside the timed region: e.g. an L2 flush, or writing the next inputs into a graph's
+    buffers), then the fns with an event before the first and after each. ``after_warmup``
+    runs once between the two (e.g. aligning ranks).
+
+    Returns a function that waits for the last iteration and gives, per fn, its µs per
+    iteration. Several measurements can be queued back to back this way and read after one
+    wait. On the CPU (``device`` "cpu", or None without CUDA) nothing is queued: each fn is
+    timed with the host clock, and the function returns the samples already taken.
+    """
+    _check_counts(iters, warmup)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if not queue_ahead_us >= 0:
+        raise ValueError(f"queue_ahead_us must be >= 0, got {queue_ahead_us!r}")
+    fns = [fns] if callable(fns) else list(fns)
+    if not fns:
+        raise ValueError("fns must name at least one callable")
+    device = _resolve_device(device)
+
+    def iteration() -> None:
+        if before_each is not None:
+            before_each()
+        for fn in fns:
+            fn()
+
+    if device.type != "cuda":
+        for _ in range(warmup):
+            iteration()
+        if after_warmup is not None:
+            after_warmup()
+        samples = _host_clock_samples(fns, iters, before_each=before_each)
+        return lambda: samples
+    sleep_cycles = int(chunk * queue_ahead_us * _SLEEP_CYCLES_PER_US)
+    can_sleep = sleep_cycles > 0 and hasattr(torch.cuda, "_sleep")
+    done = [0]
+
+    def before_timed() -> None:
+        if can_sleep and done[0] % chunk == 0:
+            torch.cuda._sleep(sleep_cycles)
+        done[0] += 1
+        if before_each is not None:
+            before_each()
+
+    with torch.cuda.device(device):
+        for _ in range(warmup):
+            iteration()
+        if after_warmup is not None:
+            after_warmup()
+        return _queue_with_events(fns, iters, device, before_each=before_timed)
+
+
 # ------------------------------------------------------------- GPU work only, cold L2
 
 # A read sweep of this many bytes evicts the L2 of any current GPU (H100 50 MB, H200 60 MB);
 # Triton's do_bench uses the same size.
 DEFAULT_FLUSH_BYTES = 256 * 2**20
-# torch.cuda._sleep counts GPU clock cycles; 2 cycles per ns is about an H100/H200 under load
-# (1.98 GHz). At a lower clock the sleep only lasts longer, which is harmless.
-_SLEEP_CYCLES_PER_US = 2000
 
 
 class L2Flusher:
@@ -408,21 +505,20 @@ def time_cold(
 ) -> list[float]:
     """Time the GPU work of ``fn`` with a cold L2 and no host launch gaps; µs per call.
 
-    On CUDA, each of the ``warmup + iters`` iterations queues, on the current stream:
+    On CUDA, the ``warmup + iters`` iterations are queued by :func:`queue_timed`, each:
 
     1. an L2 flush (a read sweep of ``flush_bytes``, or ``flusher``; ``flush_bytes=0`` and
        no flusher: none), *outside* the timed region, so data ``fn`` reads (e.g. expert
        weights) comes from HBM as it would in a model whose other layers evicted it;
-    2. ``torch.cuda._sleep`` for about ``queue_ahead_us`` (0: none), so the host has queued
-       the start event and ``fn``'s work before the GPU reaches them (the flush alone already
-       takes ~60-80 µs on an H200; the sleep is a margin against host stalls);
-    3. start event, ``fn`` (with ``capture=True``: one replay of ``fn`` captured once in a CUDA
-       graph, so a many-kernel ``fn`` is one launch), end event.
+    2. start event, ``fn`` (with ``capture=True``: one replay of ``fn`` captured once in a CUDA
+       graph, so a many-kernel ``fn`` is one launch), end event;
 
-    The host never waits inside the loop, so it runs ahead of the GPU: the samples measure
-    GPU time from the first to the last kernel of ``fn``, not the host's ~10 µs per launch.
-    ``fn`` must then be graph-capturable (no host syncs) when ``capture`` is true; pass an
-    already captured ``graph.replay`` with ``capture=False`` to re-time a graph on new data.
+    with a ``torch.cuda._sleep`` of ``queue_ahead_us`` per iteration queued ahead of each
+    chunk of iterations, so the host has queued them before the GPU reaches them: the
+    samples measure GPU time from the first to the last kernel of ``fn``, not the host's
+    ~10 µs per launch. ``fn`` must then be graph-capturable (no host syncs) when ``capture``
+    is true; pass an already captured ``graph.replay`` with ``capture=False`` to re-time a
+    graph on new data.
 
     On the CPU (``device`` "cpu", or None without CUDA) there is no cache to flush and no
     queue: each call is timed with the host clock after ``warmup`` calls.
@@ -457,7 +553,8 @@ def queue_cold(
     device: torch.device | str | int | None = None,
 ) -> Callable[[], list[float]]:
     """:func:`time_cold`'s iterations for ``run`` (called as it is: pass a captured graph's
-    ``replay``), queued without waiting for the GPU.
+    ``replay``), queued without waiting for the GPU (:func:`queue_timed` with the flush
+    before each iteration).
 
     Returns a function that waits for the last iteration and gives the samples (µs). Several
     measurements can be queued back to back this way (with other GPU work between them, e.g.
@@ -466,19 +563,6 @@ def queue_cold(
     """
     _check_counts(iters, warmup)
     _require_cuda("queue_cold")
-    device = _resolve_device(device)
-    sleep_cycles = int(queue_ahead_us * _SLEEP_CYCLES_PER_US)
-    can_sleep = sleep_cycles > 0 and hasattr(torch.cuda, "_sleep")
-
-    def before_each() -> None:
-        if flusher is not None:
-            flusher()
-        if can_sleep:
-            torch.cuda._sleep(sleep_cycles)
-
-    with torch.cuda.device(device):
-        for _ in range(warmup):
-            before_each()
-            run()
-        # No synchronize here: the queue stays ahead of the GPU into the timed iterations.
-        return _queue_with_events(run, iters, device, before_each=before_each)
+    samples = queue_timed([run], iters=iters, warmup=warmup, device=device, before_each=flusher,
+                          queue_ahead_us=queue_ahead_us)
+    return lambda: samples()[0]

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from moekit.commands import check_int
+
+DISPATCHERS = ("alltoall",)  # the dispatchers `bench dispatch` can time (moekit.bench.dispatch.DISPATCHERS)
+
 
 def run_dispatch(args) -> int:
     from moekit.bench.dispatch import DispatchBenchConfig, format_dispatch_bench, run_dispatch_bench
 
+    for flag, value, low in (("--tokens", args.tokens, 1), ("--world-size", args.world_size, 1),
+                             ("--hidden", args.hidden, 1), ("--top-k", args.top_k, 1),
+                             ("--num-experts", args.num_experts, 1), ("--iters", args.iters, 1),
+                             ("--warmup", args.warmup, 0), ("--seed", args.seed, 0)):
+        check_int(flag, value, low)
+    if not 0.0 < args.beta <= 1.0:
+        raise ValueError(f"--beta must be in (0, 1], got {args.beta}")
     cfg = DispatchBenchConfig(shape=args.shape, tokens_per_rank=args.tokens, world_size=args.world_size,
                               dispatcher=args.dispatcher, hidden=args.hidden, top_k=args.top_k,
                               num_experts=args.num_experts, beta=args.beta, iters=args.iters,
@@ -38,22 +49,30 @@ PASS_THROUGH = (run_capspill, run_kernel, run_lowlatency)
 
 
 def register(sub) -> None:
+    from moekit.shapes import PRESETS
+
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bd = b.add_parser("dispatch", help="dispatch/combine latency across local ranks")
-    bd.add_argument("--dispatcher", default="alltoall")
-    bd.add_argument("--shape", default="deepseek-v3")
-    bd.add_argument("--tokens", type=int, default=128, help="tokens per rank")
-    bd.add_argument("--world-size", type=int, default=2)
-    bd.add_argument("--hidden", type=int, default=None)
-    bd.add_argument("--top-k", type=int, default=None)
-    bd.add_argument("--num-experts", type=int, default=None)
-    bd.add_argument("--beta", type=float, default=1.0)
-    bd.add_argument("--iters", type=int, default=1000)
-    bd.add_argument("--warmup", type=int, default=100)
-    bd.add_argument("--seed", type=int, default=0)
+    bd.add_argument("--dispatcher", default="alltoall", choices=DISPATCHERS,
+                    help="the dispatcher to time: %(choices)s (default %(default)s)")
+    bd.add_argument("--shape", default="deepseek-v3", choices=sorted(PRESETS), metavar="SHAPE",
+                    help="model shape preset: %(choices)s (default %(default)s)")
+    bd.add_argument("--tokens", type=int, default=128, help="tokens per rank, >= 1 (default 128)")
+    bd.add_argument("--world-size", type=int, default=2,
+                    help="local ranks, >= 1, dividing the shape's experts (default 2)")
+    bd.add_argument("--hidden", type=int, default=None, help="replace the shape's hidden size H, >= 1")
+    bd.add_argument("--top-k", type=int, default=None, help="replace the shape's experts per token K, >= 1")
+    bd.add_argument("--num-experts", type=int, default=None, help="replace the shape's expert count E, >= 1")
+    bd.add_argument("--beta", type=float, default=1.0,
+                    help="routing balancedness target in (0, 1]; 1 = even (default 1.0)")
+    bd.add_argument("--iters", type=int, default=None,
+                    help="timed iterations per series, >= 1 (default: 1000 on GPUs, 10 on the CPU)")
+    bd.add_argument("--warmup", type=int, default=None,
+                    help="untimed iterations first, >= 0 (default: 100 on GPUs, 2 on the CPU)")
+    bd.add_argument("--seed", type=int, default=0, help="seed of the inputs and routing, >= 0 (default 0)")
     bd.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
-    bd.add_argument("--out-dir", default="benchmarks/results")
+    bd.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes (default %(default)s)")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=run_dispatch)
     bc = b.add_parser("capspill", add_help=False,

@@ -122,6 +122,17 @@ class KernelConfig:
                              f"as they are), got bm={self.bm}")
 
     @property
+    def id(self) -> str:
+        """The config's short name, unique within any space, e.g. ``T-bm16-bn64-bk128-w4-s4-g1-k4``:
+        T two_launch or F fused, ``-n256`` when GEMM2 has its own tile (bn2), ``-x`` when FP8's
+        dots are swapped (swap_ab). Kernel datasets key their configs by it."""
+        form = "F" if self.form == "fused" else "T"
+        wide = f"-n{self.bn2}" if self.bn2 else ""
+        swap = "-x" if self.swap_ab else ""
+        return (f"{form}-bm{self.bm}-bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}"
+                f"-g{self.group_m}-k{self.split_k}{wide}{swap}")
+
+    @property
     def gemm2_bn(self) -> int:
         """GEMM2's output tile over H in the two_launch form."""
         return self.bn2 or self.bn

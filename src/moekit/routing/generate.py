@@ -47,7 +47,7 @@ def synthetic_routing(
     * ``zipf=a`` fixes the exponent directly (heavy-tailed load).
     * Otherwise ``beta`` in (0, 1] is the target balancedness: the normalized entropy
       ``H(load) / log(E)`` of the realized per-expert load histogram (load_e = number of
-      (token, slot) pairs routed to e), as in the RaMP seed; 1 = uniform. The exponent is
+      (token, slot) pairs routed to e), as in the RaMP paper; 1 = uniform. The exponent is
       found by bisection on the *realized* histogram with fixed random numbers, so the
       returned routing has a beta close to the target when ``T * K`` is reasonably
       large (measured within 3e-4 for T*K >= 2048; coarser for tiny T*K, whose load
@@ -185,15 +185,15 @@ MIXTRAL_ALPHA_LOG_STD = 1.6  # ... and std of its log
 def mixtral_capspill_trace(
     steps: int = 1000, layers: int = 32, seed: int = 0, *, weights: bool = False
 ) -> RoutingTrace:
-    """A synthetic Mixtral-8x7B trace with the per-peer count statistics of the Cap-and-Spill seed.
+    """A synthetic Mixtral-8x7B trace with the per-peer count statistics of the Cap-and-Spill paper.
 
-    The seed (000) measured Mixtral-8x7B-Instruct (E=8, top-2) on P=8 ranks over 32 layers
+    The paper measured Mixtral-8x7B-Instruct (E=8, top-2) on P=8 ranks over 32 layers
     and 1000 sequences (~2M per-peer counts): mean 5.1, std 3.6, Q99 16, max 43 (and, in
     its Table 2, Q90 10, Q95 12, Q99.5 18). With the defaults this generator gives, over
     seeds 0-9, mean 5.10, std 3.56-3.58, Q90/Q95/Q99/Q99.5 = 10/12/16/18 and max 42-43.
     Not tuned for, but also matching: the fraction of sends (one source rank, one layer,
     one step) with some peer over capacity C = 10/12/16/18 is 32.0/18.6/5.2/2.7%, against
-    the 31.1/18.5/5.4/2.7% "Overflow" column of the seed's Table 2
+    the 31.1/18.5/5.4/2.7% "Overflow" column of the paper's Table 2
     (``TraceStats.overflow_send_fraction``).
 
     Model. Each step is one sequence; each layer routes every token of it:
@@ -214,8 +214,8 @@ def mixtral_capspill_trace(
     metadata records ``world_size = 8`` and the parameters. ``weights=True`` adds
     softmax-like top-2 weights (88 MB for the default size; off by default).
     """
-    _check_int("steps", steps, low=0)
-    _check_int("layers", layers, low=0)
+    _check_int("steps", steps, low=1)  # a trace without (step, layer) observations has no statistics
+    _check_int("layers", layers, low=1)
     _check_int("seed", seed, low=0)
     P, E, K = MIXTRAL_WORLD_SIZE, MIXTRAL_NUM_EXPERTS, MIXTRAL_TOP_K
     rows_per_rank = MIXTRAL_MAX_LENGTH // P

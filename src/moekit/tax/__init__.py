@@ -1,4 +1,4 @@
-"""The MoE serving tax (seed 003): an analytical model, padding, balls-bins-buckets
+"""The MoE serving tax (the paper Demystifying the MoE Serving Tax): an analytical model, padding, balls-bins-buckets
 simulation, communication volumes, expert load balancing, and a report.
 
     from moekit.tax import TaxModel, tax_report
@@ -7,21 +7,8 @@ simulation, communication volumes, expert load balancing, and a report.
 See docs/tax.md for the equations as implemented.
 """
 
-from .bbb import (
-    FIG10_CONFIGS,
-    BBBConfig,
-    LoadStats,
-    Placement,
-    as_topk_array,
-    assignment_gpus,
-    bbb_bounds,
-    expert_counts,
-    figure10_data,
-    loads_from_counts,
-    sample_routing,
-    simulate,
-    zipf_popularity,
-)
+from .bbb import (FIG10_CONFIGS, BBBConfig, LoadStats, bbb_bounds, expert_counts, figure10_data, loads_from_counts,
+                  simulate)
 from .comm import (
     allreduce_time,
     alltoall_time,
@@ -65,7 +52,9 @@ from .padding import (
     padded_work,
     round_up,
 )
+from .placement import Placement, assignment_gpus
 from .report import tax_report
+from .topk import as_topk_array, sample_routing, zipf_popularity
 
 __all__ = [
     # model

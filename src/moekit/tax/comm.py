@@ -1,26 +1,27 @@
-"""Communication volumes and times: AllToAll (EP) against AllReduce (TP), seed 003 4.2.
+"""Communication volumes and times: AllToAll (EP) against AllReduce (TP), the MoE-tax paper, section 4.2.
 
 Under TP both the MoE and its DenseFA twin AllReduce an m x d_model matrix after the
 FFN, so TP has no communication tax. Under DP+EP, dispatch and combine are AllToAlls
 whose buffer is m_g * K * d_model per GPU: K times the AllReduce input at the API level.
 
 On the wire, a ring AllReduce moves 2(n-1)/n of its input per GPU, and an AllToAll
-keeps the 1/n of assignments that target local experts off the network. The seed's
+keeps the 1/n of assignments that target local experts off the network. The paper's
 stated ratio K*n / (2(n-1)) (4.57 for DeepSeek-V3 on 8 GPUs) divides K by the ring
 factor only; applying the local-expert discount to the AllToAll as well gives K/2.
 ``network_volumes`` computes both, so the choice is explicit.
 
 Times follow an alpha-beta model: a message costs ``net_latency`` and each byte
 1/``net_bw``. Per GPU, an AllToAll phase costs (n-1) messages plus
-gamma * max(S_g, R_g) (the seed's T_a2a,g), and a ring AllReduce 2(n-1) steps.
+gamma * max(S_g, R_g) (the paper's T_a2a,g), and a ring AllReduce 2(n-1) steps.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .bbb import Placement, as_topk_array, assignment_gpus
 from .hardware import Hardware
+from .placement import Placement, assignment_gpus
+from .topk import as_topk_array
 
 
 def api_volume_ratio(top_k: int) -> float:
@@ -29,7 +30,7 @@ def api_volume_ratio(top_k: int) -> float:
 
 
 def network_volume_ratio(top_k: int, n: int) -> float:
-    """The seed's network-volume ratio K*n / (2(n-1)) (~4.6 for K=8, n=8)."""
+    """The paper's network-volume ratio K*n / (2(n-1)) (~4.6 for K=8, n=8)."""
     if n < 2:
         raise ValueError(f"n must be >= 2 for any traffic to cross the network, got {n}")
     return top_k * n / (2.0 * (n - 1))
@@ -42,7 +43,7 @@ def network_volumes(
     """Bytes one GPU puts on the network for one AllToAll phase and one ring AllReduce.
 
     Both collectives see the same ``tokens_per_gpu`` rows of ``hidden`` elements (the
-    seed's API-level comparison). ``exclude_local=False`` reproduces the seed's ratio;
+    paper's API-level comparison). ``exclude_local=False`` reproduces the paper's ratio;
     True also drops the 1/n of assignments that stay on the GPU, giving K/2.
     """
     if n < 2:
@@ -63,7 +64,7 @@ def network_volumes(
 
 
 def gamma(hidden: int, bytes_per_elem: float, hw: Hardware) -> float:
-    """Seconds to move one token's d_model-wide row over the network (the seed's gamma)."""
+    """Seconds to move one token's d_model-wide row over the network (the paper's gamma)."""
     return hidden * bytes_per_elem / hw.net_bw
 
 

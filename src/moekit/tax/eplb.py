@@ -1,4 +1,4 @@
-"""Expert placement: DeepSeek's EPLB, and the padding-aware balancer seed 003 proposes.
+"""Expert placement: DeepSeek's EPLB, and the padding-aware balancer the MoE-tax paper proposes.
 
 Both produce a ``Placement``: ``slots[g, j]`` = the logical expert held by physical slot
 j of GPU g, the same number of slots on every GPU, every logical expert at least once.
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bbb import LoadStats, Placement, loads_from_counts
+from .bbb import LoadStats, loads_from_counts
+from .placement import Placement
 
 # --------------------------------------------------------------------------- EPLB
 

@@ -1,7 +1,7 @@
-"""The seed's figures as PNG files (matplotlib is optional: ``pip install moekit[plot]``).
+"""The paper's figures as PNG files (matplotlib is optional: ``pip install moekit[plot]``).
 
 * ``decode_tax.png``: tau vs batch size in decode, per parallelism, with DensePA
-  (seed Figure 3's bell curve);
+  (the paper's Figure 3 bell curve);
 * ``prefill_tax.png``: the same for prefill (Figure 2's decrease);
 * ``expert_activation.png``: E_active vs batch size, the uniform-routing formula, a
   Monte Carlo check and a Zipf-skewed router (Figure 7);
@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from .bbb import FIG10_CONFIGS, expert_counts, figure10_data, sample_routing, zipf_popularity
+from .bbb import FIG10_CONFIGS, expert_counts, figure10_data
 from .padding import expected_active_experts
+from .topk import sample_routing, zipf_popularity
 
 
 def _pyplot():

@@ -1,21 +1,22 @@
-"""Hardware parameters of the MoE-tax model (seed 003, section 5).
+"""Hardware parameters of the MoE-tax model (the MoE-tax paper, section 5).
 
 The model needs four numbers per GPU: HBM bandwidth, peak dense FLOP/s, the effective
 network (NVLink) bandwidth of one GPU, and a fixed latency per network message. All
 values are SI units (bytes/s, FLOP/s, seconds) so that nothing is ever off by 1e9.
 
 Presets say where each number comes from (``sources``): a datasheet, a measurement on
-our machines (DESIGN.md, "Platform facts"), the seed itself, or an assumption. Measured
+our machines (docs/foundation.md), the paper itself, or an assumption. Measured
 values can replace any of them through a JSON file, read with ``json`` only (no code
 is ever executed while loading).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+
+from moekit.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# Per-message latency: no machine here measured a per-message figure (NCCL's ~45 us per
-# all_to_all call on 2xH200 is a per-call software floor, not a link latency), so all
-# presets assume 1 us, the order of an NVLink peer write. Override it with a JSON file.
+# Per-message latency: no per-message figure has been measured (NCCL's time per all_to_all
+# call is a per-call software floor, not a link latency), so all presets assume 1 us, the
+# order of an NVLink peer write. Override it with a JSON file.
 _ASSUMED_LATENCY = 1e-6
 
 PRESETS: dict[str, Hardware] = {
@@ -69,7 +70,7 @@ PRESETS: dict[str, Hardware] = {
         Hardware(
             "A100", hbm_bw=1.5e12, peak_flops=312e12, net_bw=300e9, net_latency=_ASSUMED_LATENCY,
             sources={
-                "hbm_bw": "seed 003 section 5.3", "peak_flops": "seed 003 section 5.3",
+                "hbm_bw": "MoE-tax paper, section 5.3", "peak_flops": "MoE-tax paper, section 5.3",
                 "net_bw": "datasheet NVLink3, one direction", "net_latency": "assumed",
             },
         ),
@@ -109,13 +110,7 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
     Anything malformed raises ValueError naming the file.
     """
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)  # plain JSON: no code can run while loading
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read hardware file ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, "hardware file")  # plain JSON: no code can run while loading
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
 

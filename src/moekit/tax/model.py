@@ -1,4 +1,4 @@
-"""The analytical MoE-tax model of seed 003, section 5 (equations 1-7).
+"""The analytical MoE-tax model of the MoE-tax paper (Demystifying the MoE Serving Tax), section 5 (equations 1-7).
 
 tau = T(MoE, m) / T(DenseFA, m) for one transformer layer; both models share the
 non-FFN work T_other, so (eq. 3) tau = 1 + (T_MoE / T_FFN - 1) * f under TP attention.
@@ -19,9 +19,9 @@ Block times (per layer, critical path):
     DP+EP    (eq. 7)  max_g (T_a2a_d,g + T_c,g + T_a2a_c,g) + T_anc, with T_other on m/n
                       tokens and no AllReduce (eq. 6)
 
-with P_g = eta_g * R_g the padded work of GPU g. Shared experts (not in the seed's
+with P_g = eta_g * R_g the padded work of GPU g. Shared experts (not in the paper's
 equations) ride along as ``k_shared`` always-active expert-equivalents in both the MoE
-and DenseFA. ``docs/tax.md`` lists every choice the seed leaves open.
+and DenseFA. ``docs/tax.md`` lists every choice the paper leaves open.
 
 Everything random (E_active, eta, R_g, S_g) is either an exact expectation under uniform
 routing (TP, blockwise padding) or an average over Monte Carlo / traced batches.
@@ -29,7 +29,6 @@ routing (TP, blockwise padding) or an average over Monte Carlo / traced batches.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -37,11 +36,14 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from ..jsonfile import read_json
 from ..shapes import MoEShape, get_shape
 from . import comm
-from .bbb import Placement, as_topk_array, expert_counts, loads_from_counts, sample_routing
+from .bbb import expert_counts, loads_from_counts
 from .hardware import Hardware, get_hardware
 from .padding import expected_active_experts, expected_eta
+from .placement import Placement
+from .topk import as_topk_array, sample_routing
 
 PARALLELISMS = ("TP+TP", "TP+EP", "DP+EP")
 PHASES = ("prefill", "decode")
@@ -119,7 +121,7 @@ class AttentionSpec:
     score_dim: int
 
 
-# Not in the seeds: taken from the models' public configurations, to give T_other (and
+# Not in the paper: taken from the models' public configurations, to give T_other (and
 # so f) a plausible size. Override with TaxModel(attention=...) or give f directly.
 _ATTENTION = {
     # 32 query heads, 8 KV heads, head dim 128
@@ -157,7 +159,7 @@ class TaxPoint:
     m: int
     n_gpus: int
     tau: float
-    tau_densepa: float  # T(DensePA)/T(DenseFA): the seed's lower-bound curve
+    tau_densepa: float  # T(DensePA)/T(DenseFA): the paper's lower-bound curve
     regime: str
     dominant: str  # the tax source with the largest share of tau - 1
     sources: dict  # source -> its share of tau - 1 (they sum to tau - 1)
@@ -171,7 +173,7 @@ class TaxPoint:
     straggler: float  # max_g R_g / (mK/n) (1 under TP)
     padded_straggler: float  # max_g P_g / (mK/n) (eta under TP)
     block_size: int
-    regime_ratio: float  # the seed's closed form of T_MoE,c/T_FFN,c for this regime
+    regime_ratio: float  # the paper's closed form of T_MoE,c/T_FFN,c for this regime
     compute_ratio: float  # T_MoE,c / T_FFN,c as computed (no T_anc, T_AR, AllToAll)
 
     def as_dict(self) -> dict:
@@ -190,7 +192,7 @@ class TaxModel:
       B, or None for "auto" (the smallest of 16/32/64 covering the mean tokens per active
       expert, as tuned FusedMoE configs pick smaller M-blocks for small batches);
     * ``eta``: None to derive padding from routing, or a constant (float, or a mapping
-      phase -> float, e.g. the seed's validation {"decode": 1.05, "prefill": 1.25});
+      phase -> float, e.g. the paper's validation {"decode": 1.05, "prefill": 1.25});
     * ``f``: None to derive T_other from ``attention`` (an AttentionSpec), or the FFN
       fraction of DenseFA time (float or callable(m, phase));
     * ``context_len``: KV tokens each decode sequence reads; ``prompt_len``: prefill tokens
@@ -586,13 +588,7 @@ def compare(predicted: Iterable[TaxPoint], measured) -> list[dict]:
 
 def _load_measured(path) -> list:
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read measurements ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, "measurements")
     if isinstance(data, dict) and "points" in data:
         data = data["points"]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):

@@ -1,6 +1,6 @@
-"""Kernel padding and expert activation (seed 003, sections 5.1 and 5.2).
+"""Kernel padding and expert activation (the MoE-tax paper, sections 5.1 and 5.2).
 
-Notation follows the seed: ``N`` is the token distribution (tokens per expert, summing to
+Notation follows the paper: ``N`` is the token distribution (tokens per expert, summing to
 m*K), ``B`` the kernel block size, ``P`` the padded work (rows the kernel really computes).
 
 Two padding schemes:
@@ -126,10 +126,10 @@ def expected_eta(num_experts: int, top_k: int, m: int, block_size: int, scheme: 
 
 
 def max_load_bounds(balls, bins: int) -> dict:
-    """The balls-and-bins expressions the seed quotes for the expected maximum bin load.
+    """The balls-and-bins expressions the paper quotes for the expected maximum bin load.
 
     ``balls`` is the number of independent assignments (for experts: m*K token-expert
-    pairs; the seed writes m, which is the K = 1 case), ``bins`` the number of bins.
+    pairs; the paper writes m, which is the K = 1 case), ``bins`` the number of bins.
 
     * ``light`` (balls ~ bins, decode): log(bins) / log(log(bins)). This is an order of
       growth, not an upper bound with constant 1; for small bins it undershoots.

@@ -2,7 +2,7 @@
 
 ``tax_report`` returns what the command prints: per phase, tau for every batch size and
 parallelism, with the regime and the dominant tax source (the largest share of tau - 1).
-``as_json=True`` returns every number instead; ``out_dir`` also draws the seed's figures.
+``as_json=True`` returns every number instead; ``out_dir`` also draws the paper's figures.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _format(tm: TaxModel, points, phases, parallelisms, skipped, figures) -> str
         f"MoE tax: {shp.name} (E={shp.num_experts}, K={shp.top_k}, H={shp.hidden}, N={shp.intermediate}"
         + (f", {shp.num_shared_experts} shared" if shp.num_shared_experts else "")
         + f") on {tm.n} x {tm.hw.describe()}",
-        "tau = T(MoE) / T(DenseFA) per layer (seed 003, eqs. 1-7); regime: mem = memory-bound, "
+        "tau = T(MoE) / T(DenseFA) per layer (the MoE-tax paper, eqs. 1-7); regime: mem = memory-bound, "
         "trans = transition, comp = compute-bound; source = largest share of tau - 1",
     ]
     if skipped:

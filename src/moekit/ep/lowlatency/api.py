@@ -34,6 +34,7 @@ from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta
 from moekit.ep.lowlatency.transport import (COMBINE_PHASES, DISPATCH_PHASES, END, POSTPROCESS, START, TOPK_REDUCE,
                                             Transport, new_stamps)
+from moekit.perfetto import phase_events, trace_document, write_trace
 
 MAX_PROFILED_CALLS = 4096  # stamps kept per call type when profiling (the oldest are dropped)
 
@@ -292,8 +293,6 @@ class EPLowLatencyAllToAll:
             self._stamps[call].append(stamps.clone())
 
     def _dump(self, call: str, phases: tuple[str, ...], path: str | Path | None) -> Path:
-        from moekit.bench.perfetto import phase_events, trace_document, write_trace
-
         if not self.profile:
             raise RuntimeError(f"nothing to dump: this layer was made with profile=False; "
                                f"pass profile=True to record {call} phases")

@@ -3,7 +3,7 @@ model, record, figure) under Triton's interpreter on the CPU; with CUDA the same
 on the GPU.
 
 The blocks are checked against plain float64 references; the model side against the
-seed's roofline written out here from first principles.
+paper's roofline written out here from first principles.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from moekit.moe.experts import MoEWeights  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.stats import balancedness, expert_counts  # noqa: E402
 from moekit.shapes import MoEShape, get_shape  # noqa: E402
-from moekit.tax import measure as tm  # noqa: E402
+from moekit.bench import tax_blocks as tb  # noqa: E402
+from moekit.bench import tax_measure as tm  # noqa: E402
+from moekit.bench import tax_report as tr  # noqa: E402
 from moekit.tax.hardware import load_hardware  # noqa: E402
 from moekit.tax.model import REGIMES  # noqa: E402
 
@@ -41,12 +43,12 @@ TINY = MoEShape("tiny-shared", num_experts=4, top_k=2, hidden=32, intermediate=3
 
 
 def test_dense_equivalents_follow_seed_table_2():
-    # Seed 003, Table 2: Mixtral N=14336, E=8, K=2; Qwen2-MoE N=2560, E=64, K=8, 8 shared of 2560.
-    assert tm.dense_intermediates(get_shape("mixtral-8x7b")) == {"densefa": 2 * 14336, "densepa": 8 * 14336}
-    assert tm.dense_intermediates(get_shape("qwen2-moe")) == {"densefa": 8 * 2560 + 8 * 2560,
+    # The MoE-tax paper, Table 2: Mixtral N=14336, E=8, K=2; Qwen2-MoE N=2560, E=64, K=8, 8 shared of 2560.
+    assert tb.dense_intermediates(get_shape("mixtral-8x7b")) == {"densefa": 2 * 14336, "densepa": 8 * 14336}
+    assert tb.dense_intermediates(get_shape("qwen2-moe")) == {"densefa": 8 * 2560 + 8 * 2560,
                                                              "densepa": 64 * 2560 + 8 * 2560}
     # The issue's size check: DensePA of Mixtral is 114688 x 4096 x 3 bf16 matrices = 2.8 GB.
-    assert tm.block_memory(get_shape("mixtral-8x7b"), "densepa", 0, 2, 0) == 114688 * 4096 * 3 * 2
+    assert tb.block_memory(get_shape("mixtral-8x7b"), "densepa", 0, 2, 0) == 114688 * 4096 * 3 * 2
 
 
 def test_parse_batch_sizes():
@@ -59,9 +61,9 @@ def test_parse_batch_sizes():
 
 def test_memory_check_names_block_and_size():
     shape = get_shape("qwen2-moe")
-    tm.check_memory(shape, [1, 4096], 2, 5, 200 * 2**30)  # fits an H200
+    tb.check_memory(shape, [1, 4096], 2, 5, 200 * 2**30)  # fits an H200
     with pytest.raises(ValueError, match=r"qwen2-moe densepa at m=4096 needs about"):
-        tm.check_memory(shape, [1, 4096], 2, 5, 20 * 2**30)  # the MoE block fits, DensePA does not
+        tb.check_memory(shape, [1, 4096], 2, 5, 20 * 2**30)  # the MoE block fits, DensePA does not
 
 
 def test_bad_config_is_a_clear_error():
@@ -112,9 +114,9 @@ def test_config_hints_file(tmp_path):
 def test_skew_bias_reaches_the_target_balancedness():
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(512, 16, generator=gen) for _ in range(2)]
-    zero, uniform_beta = tm.skew_bias(logits, 2, None, seed=1)
+    zero, uniform_beta = tb.skew_bias(logits, 2, None, seed=1)
     assert torch.equal(zero, torch.zeros(16)) and uniform_beta > 0.98
-    bias, realized = tm.skew_bias(logits, 2, 0.7, seed=1)
+    bias, realized = tb.skew_bias(logits, 2, 0.7, seed=1)
     ids = torch.topk(torch.cat(logits) + bias, 2, dim=-1).indices.numpy()
     assert realized == pytest.approx(float(balancedness(expert_counts(ids, 16))))
     assert abs(realized - 0.7) < 0.02
@@ -124,12 +126,12 @@ def test_skew_bias_reaches_the_target_balancedness():
 
 
 def test_moe_block_matches_float64_reference():
-    kernels = tm._kernels(DEVICE)
-    w = tm.make_moe_weights(TINY, DTYPE, DEVICE, seed=3)
+    kernels = tm.load_kernels(DEVICE)
+    w = tb.make_moe_weights(TINY, DTYPE, DEVICE, seed=3)
     x = torch.randn(5, TINY.hidden, generator=torch.Generator().manual_seed(4)).to(DEVICE, DTYPE)
     bias = torch.tensor([2.0, 0.0, -1.0, 0.5], device=DEVICE)  # skewed routing
     cfg = kernels.default_config(5, TINY)
-    y = tm.moe_block(x, bias, w, TINY.top_k, cfg, kernels)
+    y = tb.moe_block(x, bias, w, TINY.top_k, cfg, kernels)
     # Independent routing in float64: softmax of the biased logits, top-2, renormalized.
     logits = x.double() @ w.router.double().t() + bias.double()
     p = torch.softmax(logits, dim=-1)
@@ -153,7 +155,7 @@ def run(tmp_path_factory):
 
 
 def _roofline(shape, hw, widths, rows, elem):
-    """Seed 003 eq. 2 for one device: max(alpha*widths + alpha_act*rows, beta*rows)."""
+    """The MoE-tax paper's eq. 2 for one device: max(alpha*widths + alpha_act*rows, beta*rows)."""
     h, n = shape.hidden, shape.intermediate
     w_e, d_act, f_e = 3 * h * n * elem, (2 * h + 6 * n) * elem, 6 * h * n
     return max((w_e * widths + d_act * rows) / hw["hbm_bw"], f_e * rows / hw["peak_flops"])
@@ -168,15 +170,16 @@ def test_record_and_figure_are_written(run):
     assert on_disk["results"] == record["results"]
     # The measured ceilings, as a hardware file the model (and `moekit tax --hardware`) reads.
     hw = load_hardware(record["paths"]["hardware"])
-    assert (hw.hbm_bw, hw.peak_flops) == (record["results"]["ceilings"]["hbm_bw"],
-                                          record["results"]["ceilings"]["peak_flops"])
+    ceilings = record["results"]["ceilings"]
+    assert (hw.hbm_bw, hw.peak_flops) == (ceilings["hbm_gbps"] * 1e9, ceilings["matmul_tflops"] * 1e12)
 
 
 def test_points_hold_measured_and_predicted_tau(run):
     record, _ = run
     res = record["results"]
     hw = res["hardware"]
-    assert hw["hbm_bw"] == res["ceilings"]["hbm_bw"] and hw["peak_flops"] == res["ceilings"]["peak_flops"]
+    assert hw["hbm_bw"] == res["ceilings"]["hbm_gbps"] * 1e9
+    assert hw["peak_flops"] == res["ceilings"]["matmul_tflops"] * 1e12
     assert res["verified"]
     elem = torch.empty((), dtype=DTYPE).element_size()
     k_s = TINY.num_shared_experts * TINY.shared_intermediate / TINY.intermediate
@@ -216,7 +219,7 @@ def test_skewed_routing_was_timed(run):
 
 def test_format_names_every_point(run):
     record, _ = run
-    text = tm.format_measure(record)
+    text = tr.format_measure(record)
     assert "tiny-shared, routing uniform" in text and "tiny-shared, routing beta=0.6" in text
     assert text.count("max |error|") == 2 and record["paths"]["json"] in text
 
@@ -244,7 +247,7 @@ def test_cli_measure(tmp_path, capsys):
 
 def test_recompare_with_the_records_hardware_reproduces_its_model(run):
     record, _ = run
-    rows = tm.recompare(record["paths"]["json"])
+    rows = tr.recompare(record["paths"]["json"])
     points = [(label, p) for label, rres in record["results"]["models"]["tiny-shared"]["routings"].items()
               for p in rres["points"]]
     assert [(r["routing"], r["m"]) for r in rows] == [(label, p["m"]) for label, p in points]
@@ -263,7 +266,7 @@ def test_recompare_with_other_hardware_follows_the_roofline(run):
     res = record["results"]
     old = res["hardware"]
     new = {"hbm_bw": old["hbm_bw"] * 3.0, "peak_flops": old["peak_flops"] / 2.0}
-    rows = tm.recompare(record, hbm_bw=new["hbm_bw"], peak_flops=new["peak_flops"])
+    rows = tr.recompare(record, hbm_bw=new["hbm_bw"], peak_flops=new["peak_flops"])
     elem = torch.empty((), dtype=DTYPE).element_size()
     k_s = TINY.num_shared_experts * TINY.shared_intermediate / TINY.intermediate
     by_key = {(r["routing"], r["m"]): r for r in rows}
@@ -285,15 +288,15 @@ def test_recompare_rejects_bad_input(run, tmp_path):
     record, _ = run
     for bad in (0.0, -1.0, float("nan"), "4199"):
         with pytest.raises(ValueError, match="hbm_bw"):
-            tm.recompare(record, hbm_bw=bad)
+            tr.recompare(record, hbm_bw=bad)
     with pytest.raises(ValueError, match="peak_flops"):
-        tm.recompare(record, peak_flops=0)
+        tr.recompare(record, peak_flops=0)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"kind": "kernel", "results": {}}))
     with pytest.raises(ValueError, match="record"):
-        tm.recompare(str(other))
+        tr.recompare(str(other))
     with pytest.raises(ValueError, match="record"):
-        tm.recompare(str(tmp_path / "missing.json"))
+        tr.recompare(str(tmp_path / "missing.json"))
 
 
 def test_cli_recompare(run, capsys):
@@ -303,6 +306,6 @@ def test_cli_recompare(run, capsys):
     hbm = record["results"]["hardware"]["hbm_bw"] * 2 / 1e9
     assert main(["tax", "--recompare", record["paths"]["json"], "--hbm-bw", str(hbm)]) == 0
     text = capsys.readouterr().out
-    rows = tm.recompare(record, hbm_bw=hbm * 1e9)
+    rows = tr.recompare(record, hbm_bw=hbm * 1e9)
     assert text.count("| 1 |") == 2 and text.count("| 4 |") == 2 and "tiny-shared, routing beta=0.6" in text
     assert f"{rows[0]['tau_model']:.2f}" in text and f"HBM {hbm:.0f} GB/s" in text
