@@ -25,12 +25,22 @@ def test_rows_per_step_by_hand():
 
 
 def test_peak_buffers_by_mode():
-    def peak(**kw):
-        return accounting.peak_buffers(SchedulePlan(ScheduleConfig(**kw), 10, 4))
+    def peak(steps=10, **kw):
+        plan = SchedulePlan(ScheduleConfig(**kw), steps, 4)
+        if steps == 10:  # long enough for the steady state
+            assert accounting.peak_buffers(plan) == accounting.steady_buffers(plan)
+        return accounting.peak_buffers(plan)
     assert peak(mode="sync", warmup=0) == 0
     assert peak(mode="displaced") == 8 and peak(mode="interweaved") == 4
     assert peak(mode="displaced", cond_every=2) == 12 and peak(mode="interweaved", cond_every=2) == 8
     assert peak(mode="interweaved", async_layers="shallow") == 2
+    # 3 steps: displaced never launches (step 0 is synchronous, nothing launched at 1 would be used
+    # before the end); only the results held after step 0 remain
+    assert peak(steps=3, mode="displaced") == 4
+    # after each slot and step end of a 3-step interweaved run over 1 layer: step 0 keeps its result;
+    # step 1 uses it, drops it and launches (a dispatch, then its combine from the step's end on);
+    # step 2 uses the combine and keeps nothing
+    assert accounting.buffer_timeline(SchedulePlan(ScheduleConfig("interweaved"), 3, 1)) == [1, 1, 1, 1, 0, 0]
     assert accounting.buffer_bytes(SchedulePlan(ScheduleConfig("interweaved"), 10, 4), 8, 2, 16, 2) == 4 * 8 * 2 * 16 * 2
 
 

@@ -83,3 +83,10 @@ def test_train_config_validation():
         TrainConfig(ema_decay=1.0)
     with pytest.raises(ValueError, match="time_budget_s"):
         TrainConfig(time_budget_s=0)
+
+
+def test_time_budget_stops_training_and_logs_the_last_step():
+    data = load_digits()
+    cfg = TrainConfig(steps=10_000, batch=8, log_every=10_000, time_budget_s=0.3)
+    _, log = train_dit(cfg, data, progress=lambda m: None)
+    assert len(log) == 1 and 0 < log[0]["step"] < 10_000 and log[0]["seconds"] >= 0.3

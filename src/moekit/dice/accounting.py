@@ -9,11 +9,12 @@ combine as many back; a *buffer* below is one such T * K-row message held by the
   (the last ``lag`` steps) send none; conditional communication sends, on its non-refresh
   steps, the top-1 slot only (a lower bound: a cache miss is sent as well; the runner
   counts the real rows).
-* :func:`peak_buffers` — the most buffers a schedule holds at once: displaced keeps a
-  dispatch and a combine in flight per asynchronous layer, interweaved a combine per layer
-  (its dispatch is consumed within the step, so one temporary dispatch buffer serves all
-  layers and replaces a combine slot at any moment); conditional communication adds its
-  cache, one held result per asynchronous layer. The runner's measured peak must equal it.
+* :func:`peak_buffers` — the most buffers a schedule holds at once, from the lifetimes the
+  plan implies (:func:`buffer_timeline`); the runner's measured peak must equal it. In a
+  long run's steady state (:func:`steady_buffers`) displaced keeps a dispatch and a combine
+  in flight per asynchronous layer, interweaved a combine per layer (its dispatch is
+  consumed within the step, so one temporary dispatch buffer serves all layers), and
+  conditional communication adds its cache, one held result per asynchronous layer.
 * :func:`speedup` — an idealized overlap model: a synchronous (step, layer) costs compute +
   communication, an asynchronous one max(compute, communication of the rows it sends),
   one that sends nothing its compute. Fed either with the all-to-all's share of a
@@ -83,18 +84,55 @@ def async_layers(plan: SchedulePlan) -> int:
     return sum(plan.config.layer_is_async(layer, plan.num_layers) for layer in range(plan.num_layers))
 
 
-def peak_buffers(plan: SchedulePlan) -> int:
-    """The most T * K-row buffers the schedule holds at once (see the module docstring).
-    Assumes at least one asynchronous step after the warm-up (else 0)."""
+def steady_buffers(plan: SchedulePlan) -> int:
+    """Buffers held at once in a long run's steady state: displaced 2 per asynchronous layer
+    (a dispatch waiting for next step's experts, a combine in flight), interweaved 1 (the
+    combine; its dispatch is consumed within the step, so one temporary dispatch buffer
+    serves the model and takes a combine's place), plus 1 per asynchronous layer for
+    conditional communication's cache."""
     cfg = plan.config
-    if not cfg.is_async or not any(plan.is_async(t, layer) for t in range(plan.num_steps)
-                                   for layer in range(plan.num_layers)):
+    if not cfg.is_async:
         return 0
     La = async_layers(plan)
-    per_layer = {"displaced": 2, "interweaved": 1}[cfg.mode]
-    cache = La if cfg.cond_every is not None and any(
-        plan.launches(t, layer) for t in range(plan.num_steps) for layer in range(plan.num_layers)) else 0
-    return per_layer * La + cache
+    return {"displaced": 2, "interweaved": 1}[cfg.mode] * La + (La if cfg.cond_every is not None else 0)
+
+
+def buffer_timeline(plan: SchedulePlan) -> list[int]:
+    """Buffers held after each (step, layer) slot and at each step's end, in order.
+
+    Each buffer lives over an interval of those points: a displaced dispatch launched at
+    (s, l) until its experts run at (s + 1, l), then its combine until (s + 2, l); an
+    interweaved dispatch until the next layer's slot, then its combine until (s + 1, l); a
+    result the plan keeps (:meth:`SchedulePlan.keeps_result`) until the next step's slot.
+    """
+    L, lag = plan.num_layers, plan.config.lag
+
+    def point(step: int, slot: int) -> int:  # slot L is the step's end
+        return step * (L + 1) + slot
+
+    live = [0] * (plan.num_steps * (L + 1))
+
+    def hold(start: int, end: int) -> None:
+        for i in range(start, min(end, len(live))):
+            live[i] += 1
+
+    for t in range(plan.num_steps):
+        for layer in range(L):
+            if plan.launches(t, layer):
+                if lag == 2:
+                    hold(point(t, layer), point(t + 1, layer))
+                    hold(point(t + 1, layer), point(t + 2, layer))
+                else:
+                    hold(point(t, layer), point(t, layer + 1))
+                    hold(point(t, layer + 1), point(t + 1, layer))
+            if plan.keeps_result(t, layer):
+                hold(point(t, layer), point(t + 1, layer))
+    return live
+
+
+def peak_buffers(plan: SchedulePlan) -> int:
+    """The most T * K-row buffers the schedule holds at once (the runner's measured peak)."""
+    return max(buffer_timeline(plan), default=0)
 
 
 def buffer_bytes(plan: SchedulePlan, tokens: int, top_k: int, hidden: int, itemsize: int) -> int:

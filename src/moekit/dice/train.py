@@ -74,9 +74,13 @@ def train_dit(cfg: TrainConfig, data: Digits, *, device: torch.device | str = "c
     start = time.perf_counter()
     step = 0
     model.train()
+    loss = aux = None
     while step < cfg.steps:
         if cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s:
             progress(f"train: time budget of {cfg.time_budget_s:.0f} s reached at step {step}")
+            if loss is not None and (not log or log[-1]["step"] != step):  # the log ends where training did
+                log.append(dict(step=step, loss=loss.item(), aux=aux.item() if aux is not None else 0.0,
+                                seconds=time.perf_counter() - start))
             break
         idx = torch.randint(0, x_all.shape[0], (cfg.batch,), generator=g, device=device)
         loss = rf_loss(model, x_all[idx], y_all[idx], generator=g)
