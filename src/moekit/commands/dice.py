@@ -194,8 +194,8 @@ def run_bench(args) -> int:
     curves = accounting.load_comm_curves(comm) if comm else {}
     speed = speed_rows(parts, curves, steps=args.steps) if curves else []
     if speed:
-        print("\nmodelled speedup over sync (measured compute here + measured dispatch/combine of "
-              f"{', '.join(sorted({c.source for c in curves.values()}))[:200]}):")
+        print(f"\nmodelled speedup over sync: compute measured here, dispatch + combine from the curves fitted to "
+              f"the records in {', '.join(str(c) for c in comm)} (all-to-all share of a sync layer-step in a2a_share):")
         print(format_table(speed, list(speed[0]), ".3g"))
     shares = share_rows({c.name: c.depth for c in configs}, steps=args.steps)
     if shares:
