@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# DICE on one GPU (nvidia-h100-x1 or nvidia-h200), one device call of about 6 minutes:
+# DICE on one GPU (nvidia-h100-x1 or nvidia-h200), one device call of about 5-6 minutes (hard
+# limits per part: tests 150 s, quality 300 s, bench 100 s):
 #   1. the DICE GPU tests (tests/gpu/test_dice_gpu.py: the async executor's overlap, the
 #      schedules against the simulator on the GPU, the fused experts under a schedule);
 #   2. the quality recipe: train the class-conditional DiT-MoE on scikit-learn's bundled
@@ -25,10 +26,10 @@ log="$OUT/log.txt"
   echo "commit ${MOEKIT_GIT_COMMIT:-unknown}"
 
   echo "== 1. DICE GPU tests"
-  timeout 120 python3 -m pytest tests/gpu/test_dice_gpu.py -q -p no:cacheprovider -rs
+  timeout 150 python3 -m pytest tests/gpu/test_dice_gpu.py -q -p no:cacheprovider -rs
 
   echo "== 2. quality: train ${TRAIN_S} s, ${PER_CLASS} samples per class, ${SAMPLE_STEPS} steps, every schedule"
-  timeout 330 python3 -m moekit.cli dice quality --out-dir "$OUT/quality" \
+  timeout 300 python3 -m moekit.cli dice quality --out-dir "$OUT/quality" \
     --hidden 128 --depth 6 --heads 4 --experts 8 --train-steps 100000 --train-batch 256 --lr 5e-4 \
     --time-budget "$TRAIN_S" --log-every 500 --per-class "$PER_CLASS" --sample-steps "$SAMPLE_STEPS" \
     --cfg 1.5 --classifier-epochs 60
@@ -36,7 +37,7 @@ log="$OUT/log.txt"
   mv "$OUT/quality/dit-moe-digits.pt" /tmp/ 2>/dev/null || true
 
   echo "== 3. parts per step at dit-moe-xl / dit-moe-g shapes, and the speedup / memory model"
-  timeout 120 python3 -m moekit.cli dice bench --models dit-moe-xl,dit-moe-g --batches 4,8,16,32 \
+  timeout 100 python3 -m moekit.cli dice bench --models dit-moe-xl,dit-moe-g --batches 4,8,16,32 \
     --world-size 2 --dtype bf16 --iters 20 --warmup 3 --steps 50 --out-dir "$OUT/results"
   date -u +"end %Y-%m-%dT%H:%M:%SZ"
 } 2>&1 | tee "$log"
