@@ -1,0 +1,277 @@
+"""`moekit dice sample | quality | bench`: DICE schedules for diffusion MoE models (DiT-MoE)."""
+
+from __future__ import annotations
+
+import sys
+
+# The 2 x H200 all-to-all and low-latency records this repository keeps.
+DEFAULT_COMM = ("benchmarks/results/h200x2-lowlatency", "benchmarks/results/h200x2-foundation")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{name} must list integers >= 1, got {text!r}")
+    return values
+
+
+# ------------------------------------------------------------------------------------ sample
+
+
+def _model_from_spec(spec: dict):
+    from moekit.dice import DiTMoE, digits_config, get_config
+
+    if spec["checkpoint"]:
+        from moekit.dice.train import load_checkpoint
+
+        model, _ = load_checkpoint(spec["checkpoint"])
+        return model
+    config = digits_config(hidden=32, depth=4, num_heads=2) if spec["model"] == "digits" else get_config(spec["model"])
+    # Untrained: random modulation (not adaLN-Zero), so that every MoE layer shapes the output.
+    return DiTMoE(config, seed=spec["seed"], adaln_zero=False)
+
+
+def _sample_worker(rank: int, world_size: int, spec: dict) -> dict:
+    import time
+
+    import torch
+
+    from moekit.dice import ScheduledMoE, make_executor, preset, sample
+    from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device
+
+    device = current_device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    model = _model_from_spec(spec).to(device)
+    model.set_batch_invariant(spec["check"])
+    cfg = model.config
+    shape = cfg.moe_shape
+    sizes = spec["sizes"]
+    first = sum(sizes[:rank])
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    noise = torch.randn(sum(sizes), cfg.in_channels, cfg.input_size, cfg.input_size, generator=g)
+    labels = torch.randint(0, cfg.num_classes, (sum(sizes),), generator=g)
+    noise, labels = noise[first:first + sizes[rank]].to(device), labels[first:first + sizes[rank]].to(device)
+    owned = []
+    if spec["dispatcher"] == "alltoall":
+        dispatcher = AllToAllDispatcher(shape.num_experts, hidden=shape.hidden, top_k=1)
+    else:
+        max_m = max(2 * s * cfg.tokens_per_image * shape.top_k for s in sizes)
+        pool = {(layer, parity): EPLowLatencyAllToAll(max_m, shape.hidden, 1, shape.num_experts, dtype=torch.float32,
+                                                      online_fp8=False, device=device)
+                for layer in range(cfg.depth) for parity in range(2)}
+        owned = list(pool.values())
+        dispatcher = lambda layer, parity: pool[(layer, parity)]  # noqa: E731
+    schedule = preset(spec["schedule"], spec["steps"])
+    runner = ScheduledMoE(model.moe_weights(), shape, schedule, spec["steps"], dispatcher=dispatcher,
+                          executor=make_executor(spec["executor"], device),
+                          experts="rowwise" if spec["check"] else "torch", batch_invariant=spec["check"])
+    start = time.perf_counter()
+    z = sample(model, noise, labels, steps=spec["steps"], cfg_scale=spec["cfg"], moe=runner)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    runner.close()
+    for layer in owned:
+        layer.finalize()
+    return dict(z=z.cpu(), stats=runner.stats(), seconds=seconds, labels=labels.cpu())
+
+
+def run_sample(args) -> int:
+    import torch
+
+    from moekit.dice import SchedulePlan, StalenessSimulator, preset, sample
+    from moekit.ep import launch
+
+    if args.world_size < 1 or args.batch < 0:
+        raise ValueError("--world-size must be >= 1 and --batch >= 0")
+    schedule = preset(args.schedule, args.steps)  # checks the name and the step count
+    sizes = [args.batch // args.world_size + (r < args.batch % args.world_size) for r in range(args.world_size)]
+    spec = dict(model=args.model, checkpoint=args.checkpoint, seed=args.seed, sizes=sizes, steps=args.steps,
+                cfg=args.cfg, schedule=args.schedule, dispatcher=args.dispatcher, executor=args.executor,
+                check=args.check)
+    model = _model_from_spec(spec)
+    cfg = model.config
+    plan = SchedulePlan(schedule, args.steps, cfg.depth)
+    print(f"dice sample: {cfg.name} ({cfg.depth} layers, E={cfg.num_experts}, K={cfg.top_k}), "
+          f"schedule '{args.schedule}' = {schedule.describe()}, {args.steps} steps, batch {sizes} on "
+          f"{args.world_size} rank(s), {args.dispatcher} dispatcher, {args.executor} executor", flush=True)
+    results = launch(_sample_worker, args.world_size, spec)
+    z = torch.cat([r["z"] for r in results])
+    staleness = plan.staleness()
+    rows = [sum(r["stats"]["rows_remote"][t] for r in results) for t in range(args.steps)]
+    print(f"staleness: mean {staleness['mean']:.2f} steps, max {staleness['max']}, "
+          f"asynchronous (step, layer) share {staleness['async_share']:.2f}")
+    print(f"(token, slot) rows sent to other ranks per step, all ranks: {rows}")
+    print(f"peak buffers held (T x K rows each), rank 0: {results[0]['stats']['peak_buffers']['total']}")
+    print(f"sampling time, slowest rank: {max(r['seconds'] for r in results):.2f} s")
+    ok = all(r["stats"]["sources"] == plan.source_table for r in results)
+    print(f"every (step, layer) used the step the plan says: {'yes' if ok else 'NO'}")
+    if args.check:
+        torch.set_num_threads(1)
+        model.set_batch_invariant(True)
+        g = torch.Generator().manual_seed(args.seed + 1)
+        noise = torch.randn(sum(sizes), cfg.in_channels, cfg.input_size, cfg.input_size, generator=g)
+        labels = torch.randint(0, cfg.num_classes, (sum(sizes),), generator=g)
+        sim = StalenessSimulator(model.moe_weights(), cfg.moe_shape, schedule, args.steps, batch_invariant=True,
+                                 world_size=args.world_size)
+        z_sim = sample(model, noise, labels, steps=args.steps, cfg_scale=args.cfg, moe=sim)
+        equal = torch.equal(z, z_sim)
+        print(f"bitwise equal to the single-process staleness simulator: {'yes' if equal else 'NO'}")
+        ok = ok and equal
+    if args.out:
+        from moekit.dice.quality import write_grid_png
+
+        if cfg.in_channels != 1:
+            raise ValueError("--out draws single-channel (digits) samples only")
+        print(f"wrote {write_grid_png(z, args.out, nrow=min(8, max(1, z.shape[0])))}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------- quality
+
+
+def run_quality(args) -> int:
+    from moekit.dice.evaluate import QualityConfig, run_quality as recipe
+    from moekit.dice.schedules import PRESET_NAMES
+    from moekit.dice.train import TrainConfig
+
+    schedules = tuple(s.strip() for s in args.schedules.split(",")) if args.schedules else PRESET_NAMES
+    train = TrainConfig(hidden=args.hidden, depth=args.depth, num_heads=args.heads, num_experts=args.experts,
+                        steps=args.train_steps, batch=args.train_batch, lr=args.lr, time_budget_s=args.time_budget,
+                        log_every=args.log_every, seed=args.seed)
+    qc = QualityConfig(train=train, checkpoint=args.checkpoint, schedules=schedules, per_class=args.per_class,
+                       sample_steps=args.sample_steps, cfg_scale=args.cfg, classifier_epochs=args.classifier_epochs,
+                       seed=args.seed, check_simulator=not args.no_check)
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    try:
+        record = recipe(qc, device=device, out_dir=args.out_dir, progress=lambda m: print(m, flush=True))
+    except RuntimeError as error:  # e.g. scikit-learn missing
+        print(f"moekit: error: {error}", file=sys.stderr)
+        return 2
+    print((__import__("pathlib").Path(args.out_dir) / "quality.md").read_text())
+    print(f"results in {args.out_dir} ({record['results']['seconds']:.0f} s)")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------- bench
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from moekit.bench.report import format_table, write_record
+    from moekit.dice import accounting, get_config
+    from moekit.dice.bench import memory_rows, share_rows, speed_rows, time_parts
+
+    models = [m.strip() for m in args.models.split(",")]
+    configs = [get_config(m) for m in models]
+    batches = _ints(args.batches, "batches")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype must be one of bf16, fp16, fp32, got {args.dtype!r}")
+    device = torch.device(args.device or ("cuda" if _cuda() else "cpu"))
+    parts = []
+    for config in configs:
+        for batch in batches:
+            print(f"timing {config.name} batch {batch} on {device} ...", flush=True)
+            parts.append(time_parts(config, batch, world_size=args.world_size, dtype=dtype, device=device,
+                                    iters=args.iters, warmup=args.warmup))
+    part_rows = [dict(model=p["model"], batch=p["batch"], tokens=p["tokens"], **p["per_layer_us"],
+                      layer_us=p["layer_us"], step_ms=p["step_compute_us"] / 1e3) for p in parts]
+    print("\nper-layer time (µs) of each part, and the step's compute (ms), on", device)
+    print(format_table(part_rows, list(part_rows[0]), ".4g"))
+    comm = args.comm if args.comm is not None else [p for p in DEFAULT_COMM if __import__("os").path.exists(p)]
+    curves = accounting.load_comm_curves(comm) if comm else {}
+    speed = speed_rows(parts, curves, steps=args.steps) if curves else []
+    if speed:
+        print(f"\nmodelled speedup over sync: compute measured here, dispatch + combine from the curves fitted to "
+              f"the records in {', '.join(str(c) for c in comm)} (all-to-all share of a sync layer-step in a2a_share):")
+        print(format_table(speed, list(speed[0]), ".3g"))
+    shares = share_rows({c.name: c.depth for c in configs}, steps=args.steps)
+    if shares:
+        print("\nmodelled speedup at the DICE paper's all-to-all shares (its Table 5):")
+        print(format_table(shares, list(shares[0]), ".3g"))
+    memory = memory_rows(parts, steps=args.steps)
+    print("\nbuffers held (MiB per rank) and rows sent relative to sync:")
+    print(format_table(memory, list(memory[0]), ".3g"))
+    params = dict(models=models, batches=batches, world_size=args.world_size, dtype=args.dtype, iters=args.iters,
+                  warmup=args.warmup, steps=args.steps, comm=comm,
+                  comm_curves={f"{m}/{p}": dict(latency_us=c.latency_us, us_per_byte=c.us_per_byte, source=c.source)
+                               for (m, p), c in curves.items()})
+    path = write_record("dice-bench", params, dict(parts=parts, speed=speed, paper_shares=shares, memory=memory),
+                        out_dir=args.out_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- register
+
+
+def register(sub) -> None:
+    from moekit.dice.schedules import PRESET_NAMES
+
+    d = sub.add_parser("dice", help="DICE: staleness-aware asynchronous expert parallelism for DiT-MoE")
+    dsub = d.add_subparsers(dest="dice_command", required=True)
+
+    s = dsub.add_parser("sample", help="sample with a schedule on local ranks (gloo on CPU, NCCL on GPUs)")
+    s.add_argument("--model", default="digits", help="digits (a tiny model), dit-moe-s, dit-moe-b, dit-moe-xl, dit-moe-g")
+    s.add_argument("--checkpoint", default=None, help="a trained model (moekit dice quality writes one)")
+    s.add_argument("--schedule", default="dice", help=f"one of {', '.join(PRESET_NAMES)}")
+    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--batch", type=int, default=4, help="images in all (split over the ranks)")
+    s.add_argument("--world-size", type=int, default=2)
+    s.add_argument("--dispatcher", choices=("alltoall", "lowlatency"), default="alltoall")
+    s.add_argument("--executor", choices=("inline", "async"), default="async")
+    s.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--check", action="store_true",
+                   help="batch-invariant arithmetic, and compare with the staleness simulator bitwise")
+    s.add_argument("--out", default=None, help="PNG of the samples (digits models)")
+    s.set_defaults(func=run_sample)
+
+    q = dsub.add_parser("quality", help="train the digits DiT-MoE and measure every schedule against sync")
+    q.add_argument("--out-dir", default="dice-quality")
+    q.add_argument("--checkpoint", default=None, help="evaluate this model instead of training one")
+    q.add_argument("--hidden", type=int, default=32)
+    q.add_argument("--depth", type=int, default=2)
+    q.add_argument("--heads", type=int, default=2)
+    q.add_argument("--experts", type=int, default=8)
+    q.add_argument("--train-steps", type=int, default=20)
+    q.add_argument("--train-batch", type=int, default=64)
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    q.add_argument("--log-every", type=int, default=10)
+    q.add_argument("--per-class", type=int, default=4, help="samples per class and schedule")
+    q.add_argument("--sample-steps", type=int, default=10, help="Euler steps (the release's default is 50)")
+    q.add_argument("--cfg", type=float, default=1.5)
+    q.add_argument("--classifier-epochs", type=int, default=20)
+    q.add_argument("--schedules", default=None, help=f"comma-separated, from {', '.join(PRESET_NAMES)}")
+    q.add_argument("--device", default=None)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--no-check", action="store_true", help="skip the simulator cross-check")
+    q.set_defaults(func=run_quality)
+
+    b = dsub.add_parser("bench", help="time the model's parts per step; model each schedule's speedup and memory")
+    b.add_argument("--models", default="dit-moe-s", help="comma-separated presets (GPU: dit-moe-xl,dit-moe-g)")
+    b.add_argument("--batches", default="1", help="local batch sizes (GPU: 4,8,16,32)")
+    b.add_argument("--world-size", type=int, default=2, help="expert-parallel ranks the timed rank is one of")
+    b.add_argument("--dtype", default="bf16")
+    b.add_argument("--iters", type=int, default=3)
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--steps", type=int, default=50, help="denoising steps of the modelled run")
+    b.add_argument("--comm", nargs="*", default=None,
+                   help="records (or folders) of measured all-to-all / low-latency timings (default: "
+                        f"{', '.join(DEFAULT_COMM)}, where present)")
+    b.add_argument("--device", default=None)
+    b.add_argument("--out-dir", default="benchmarks/results")
+    b.set_defaults(func=run_bench)
