@@ -65,7 +65,7 @@ def test_fit_line_recovers_latency_and_bandwidth():
 
 
 def test_measured_curves_from_the_repo_records():
-    curves = accounting.load_comm_curves([RESULTS / "h200x2-lowlatency", RESULTS / "h200x2-foundation"])
+    curves = accounting.load_comm_curves([RESULTS / "lowlatency-nvidia-h200-x2", RESULTS / "dispatch-nvidia-h200-x2"])
     assert {("lowlatency", "dispatch"), ("lowlatency", "combine"), ("alltoall", "dispatch")} <= set(curves)
     ll = accounting.comm_us(curves, "lowlatency", 1e6)
     a2a = accounting.comm_us(curves, "alltoall", 1e6)
@@ -101,7 +101,7 @@ def test_bench_tables_on_the_cpu():
     assert set(p["per_layer_us"]) == {"adaln", "attention", "router", "experts", "shared", "slot_sum"}
     assert all(v > 0 for v in p["per_layer_us"].values()) and p["tokens"] == 2 * 2 * 16
     assert p["message_bytes"] == p["tokens"] * 2 * 128 * 4
-    curves = accounting.load_comm_curves([RESULTS / "h200x2-lowlatency"])
+    curves = accounting.load_comm_curves([RESULTS / "lowlatency-nvidia-h200-x2"])
     speed = speed_rows(parts, curves, steps=10)
     assert {r["method"] for r in speed} == {"lowlatency", "alltoall"}
     assert all(r["sync"] == pytest.approx(1.0) and r["interweaved"] >= 1.0 for r in speed)
