@@ -94,3 +94,12 @@ def test_report_checks_and_cli(tmp_path, capsys):
     assert [r["layer"] for r in report["layers"]] == [0, 1, 2] and len(report["capspill"]) == 6
     assert main(["trace", "report", str(path), "--world-size", "3"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+def test_one_step_trace_skips_the_balancers():
+    trace = _skewed_trace(steps=1)
+    report = trace_report(trace, 4)
+    assert report["balancers"] is None and len(report["capspill"]) == 6
+    from moekit.integrations.trace_report import format_report
+
+    assert "Balancers: not compared" in format_report(report)

@@ -121,7 +121,8 @@ def trace_report(trace: RoutingTrace, world_size: int = 8, *, num_gpus: int | No
                                             top_k=trace.top_k, num_experts=trace.num_experts),
                 world_size=world_size, metadata=trace.metadata, layers=layer_table(trace, world_size),
                 capspill=capspill_table(trace, world_size),
-                balancers=balancer_table(trace, num_gpus or world_size, slots_per_gpu, block_size))
+                balancers=balancer_table(trace, num_gpus or world_size, slots_per_gpu, block_size)
+                if trace.num_steps >= 2 else None)
 
 
 def format_report(report: dict) -> str:
@@ -144,11 +145,13 @@ def format_report(report: dict) -> str:
                                           "overflow_count_pct", "spill_pair_pct", "spilled_per_overflowing_send",
                                           "buffer_padding_pct"], floatfmt=".2f"),
         "",
-        f"Balancers on {b['num_gpus']} GPUs x {b['slots_per_gpu']} slots, kernel blocks of {b['block_size']} rows; "
-        f"fitted on {b['fit_steps']} steps, evaluated on {b['eval_steps']}, mean over layers "
-        "(straggler = slowest GPU / mean, in tokens R and padded rows P):",
-        format_table(b["rows"], ["balancer", "layers", "straggler", "padded_straggler", "max_active_per_gpu",
-                                 "activated_slots", "padding_overhead"], floatfmt=".3f"),
+        *(["Balancers: not compared (the trace has one step; they need one half to fit, one to evaluate)"]
+          if b is None else [
+            f"Balancers on {b['num_gpus']} GPUs x {b['slots_per_gpu']} slots, kernel blocks of {b['block_size']} "
+            f"rows; fitted on {b['fit_steps']} steps, evaluated on {b['eval_steps']}, mean over layers "
+            "(straggler = slowest GPU / mean, in tokens R and padded rows P):",
+            format_table(b["rows"], ["balancer", "layers", "straggler", "padded_straggler", "max_active_per_gpu",
+                                     "activated_slots", "padding_overhead"], floatfmt=".3f")]),
     ])
 
 
