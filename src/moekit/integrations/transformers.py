@@ -272,8 +272,9 @@ def patch(model: nn.Module, experts: str = "torch", dispatcher=None, *, kernel_c
 
     ``experts``: ``"torch"``, ``"fused"`` or ``"fused_fp8"`` (the fused ones need Triton and,
     in practice, a GPU; ``"fused_fp8"`` needs H and N to be multiples of 128).
-    ``dispatcher``: a :class:`moekit.ep.Dispatcher` for expert parallelism, or None for the
-    single-process all-to-all. ``kernel_config``: the fused kernel's
+    ``dispatcher``: a :class:`moekit.ep.Dispatcher`, or None for the eager
+    :class:`~moekit.ep.AllToAllDispatcher` over the default process group (expert parallel
+    when one is initialized, as under ``torchrun``; a single process otherwise). ``kernel_config``: the fused kernel's
     :class:`moekit.kernels.KernelConfig` (None: its default). ``method``: ``"auto"``
     (transformers' experts interface where the experts class takes part in it, else the
     module swap), ``"interface"`` or ``"swap"``.
