@@ -135,3 +135,29 @@ def test_trace_record_errors(tmp_path, capsys):
     assert main(["trace", "record", "--model", str(tmp_path), "--prompts", "p.txt", "--out", "t.npz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a saved transformers model folder" in err[0]
+
+
+def test_bf16_model_trains_on_float32_masters():
+    """The GPU path's optimizer (bf16 model, float32 masters), run on the CPU: one step moves the
+    masters by AdamW's first step (lr * sign(grad)) and the model holds their bf16 rounding."""
+    from moekit.integrations.lm.train import _MixedPrecisionAdamW, model_config
+    from transformers import OlmoeForCausalLM
+
+    cfg = config_with("tiny", lr=1e-2)
+    torch.manual_seed(0)
+    model = OlmoeForCausalLM(model_config(cfg, 400, 0)).to(torch.bfloat16).train()
+    opt = _MixedPrecisionAdamW(model, cfg, fused=False)
+    assert all(m.dtype == torch.float32 for m in opt.masters)
+    before = [m.clone() for m in opt.masters]
+    x = torch.randint(1, 400, (2, 16))
+    model(input_ids=x, labels=x, output_router_logits=True).loss.backward()
+    grads = [None if p.grad is None else p.grad.float().clone() for p in opt.params]
+    norm = opt.step(1e-2)
+    assert torch.isfinite(norm)
+    clip = min(1.0, 1.0 / (float(norm) + 1e-6))
+    for p, m, b, g, in zip(opt.params, opt.masters, before, grads):
+        assert p.grad is None and torch.equal(p.data, m.to(torch.bfloat16))
+        if g is not None and p.dim() >= 2:
+            big = g.abs() * clip > 1e-5  # where Adam's eps (1e-8) does not bend g / |g|
+            moved = (m - b * (1 - 1e-2 * cfg.weight_decay))[big]
+            torch.testing.assert_close(moved, -1e-2 * torch.sign(g[big]), rtol=2e-3, atol=1e-6)
