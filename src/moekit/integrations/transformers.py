@@ -167,8 +167,8 @@ def _implementation(experts: nn.Module, name: str | None):
     return ALL_EXPERTS_FUNCTIONS[name]
 
 
-# id(config) -> (config, its implementation before patching, number of patched models using it).
-# The config object is held so that its id cannot be reused while the entry exists.
+# id(config) -> (config, its implementation before patching); _CONFIG_USERS counts the patched
+# models using that config. The config object is held so its id cannot be reused meanwhile.
 _PREVIOUS_IMPLEMENTATION: dict[int, tuple[Any, str | None]] = {}
 _CONFIG_USERS: dict[int, int] = {}
 
