@@ -31,6 +31,77 @@ def run_generate(args) -> int:
     return 0
 
 
+def record(args) -> int:
+    """`moekit trace record`: routing traces of a saved transformers MoE model, through moekit."""
+    from pathlib import Path
+
+    import torch
+
+    from moekit.integrations.recording import load_model, read_prompts, record_traces
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device)
+    prompts = read_prompts(args.prompts)
+    name = args.name or Path(args.model).resolve().name
+    metadata = {"model": name, "architecture": type(model).__name__, "prompts_file": Path(args.prompts).name,
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    prefill, decode = record_traces(model, tokenizer, prompts, batch_size=args.batch_size,
+                                    prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
+                                    max_batches=args.max_batches, experts=args.experts, pad_multiple=args.world_size,
+                                    weights=args.weights, name=name, metadata=metadata)
+    prefill.save(args.out)
+    print(f"wrote {args.out}: {prefill!r}")
+    if decode is not None:
+        decode_out = args.decode_out or str(Path(args.out).with_suffix("")) + ".decode.npz"
+        decode.save(decode_out)
+        print(f"wrote {decode_out}: {decode!r}")
+    return 0
+
+
+def run_report(args) -> int:
+    from moekit.integrations.trace_report import format_report, trace_report
+    from moekit.routing import RoutingTrace
+
+    report = trace_report(RoutingTrace.load(args.file), args.world_size, num_gpus=args.gpus,
+                          slots_per_gpu=args.slots_per_gpu, block_size=args.block_size)
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2, default=float))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _register_record_and_report(t) -> None:
+    tr = t.add_parser("record", help="record prefill and decode routing traces of a saved transformers MoE "
+                      "model through moekit (needs the hf extra)")
+    tr.add_argument("--model", required=True, help="saved model folder (config.json, weights, tokenizer)")
+    tr.add_argument("--prompts", required=True, help="prompts: .jsonl (strings or {\"text\": ...}) or one per line")
+    tr.add_argument("--out", required=True, help="prefill trace (.npz)")
+    tr.add_argument("--decode-out", default=None, help="decode trace (default: OUT with .decode.npz)")
+    tr.add_argument("--batch-size", type=int, default=8, help="prompts per batch; a multiple of --world-size "
+                    "keeps decode steps free of padding rows (default 8)")
+    tr.add_argument("--prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
+    tr.add_argument("--decode-steps", type=int, default=32, help="generated tokens recorded per batch (0: none)")
+    tr.add_argument("--max-batches", type=int, default=None)
+    tr.add_argument("--experts", default="torch", help="moekit experts during recording: torch, fused, fused_fp8")
+    tr.add_argument("--world-size", type=int, default=8, help="token rows are padded to a multiple of this")
+    tr.add_argument("--weights", action="store_true", help="keep the routing weights too (larger files)")
+    tr.add_argument("--device", default="auto")
+    tr.add_argument("--name", default=None)
+    tr.set_defaults(func=record)
+    rp = t.add_parser("report", help="per-layer skew, the Cap-and-Spill quantile table and EPLB vs the "
+                      "padding-aware balancer for a trace (.npz)")
+    rp.add_argument("file")
+    rp.add_argument("--world-size", type=int, default=8, help="ranks P for per-peer counts (default 8)")
+    rp.add_argument("--gpus", type=int, default=None, help="GPUs for the balancers (default: the world size)")
+    rp.add_argument("--slots-per-gpu", type=int, default=None, help="default: E/GPUs plus a quarter more")
+    rp.add_argument("--block-size", type=int, default=64, help="kernel block rows for padded work (default 64)")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=run_report)
+
+
 def register(sub) -> None:
     t = sub.add_parser("trace", help="routing traces").add_subparsers(dest="trace_command", required=True)
     ts = t.add_parser("stats", help="print the statistics of a routing trace (.npz)")
@@ -47,3 +118,4 @@ def register(sub) -> None:
     tg.add_argument("--layers", type=int, default=32, help="MoE layers per step, >= 1 (default 32)")
     tg.add_argument("--seed", type=int, default=0, help="random seed, >= 0 (default 0)")
     tg.set_defaults(func=run_generate)
+    _register_record_and_report(t)

@@ -1,0 +1,61 @@
+"""`moekit lm ...`: a small MoE language model trained here, and it generating on moekit."""
+
+from __future__ import annotations
+
+
+def run_train(args) -> int:
+    from moekit.integrations.lm.train import config_with, train
+
+    cfg = config_with(args.preset, layers=args.layers, hidden=args.hidden, experts=args.experts, top_k=args.top_k,
+                      vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
+                      minutes=args.minutes, lr=args.lr, seed=args.seed)
+    record = train(cfg, args.out, device=args.device, experts_impl=args.experts_impl, corpus_root=args.corpus)
+    print(f"held-out loss {record['held_out_loss']:.3f} nats/token (before training "
+          f"{record['held_out_loss_initial']:.3f}); model in {args.out}")
+    return 0
+
+
+def run_bench(args) -> int:
+    from moekit.bench.report import format_table, write_record
+    from moekit.integrations.lm.bench import bench_generation
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    result = bench_generation(args.model, prompts_file=args.prompts, batches=batches, new_tokens=args.new_tokens,
+                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+                              implementations=tuple(args.implementations.split(",")))
+    print(format_table(result["rows"], ["implementation", "batch", "tokens_per_s", "speedup_vs_transformers",
+                                        "moe_share", "prefix_share", "identical_sequences"], floatfmt=".3f"))
+    path = write_record("lm-e2e", result["params"], {"rows": result["rows"]}, out_dir=args.out_dir)
+    print(f"record: {path}")
+    return 0
+
+
+def register(sub) -> None:
+    lm = sub.add_parser("lm", help="a small MoE language model: train it, run it on moekit")
+    lm_sub = lm.add_subparsers(dest="lm_command", required=True)
+    t = lm_sub.add_parser("train", help="train an OLMoE-architecture model on the Python standard library's source")
+    t.add_argument("--out", required=True, help="folder for the model, tokenizer, train.json and held-out prompts")
+    t.add_argument("--preset", default="tiny", help="default (one GPU, ~5 min) or tiny (CPU, seconds); default tiny")
+    t.add_argument("--steps", type=int, default=None, help="train this many steps (default: the preset's; the "
+                   "default preset fits its steps to --minutes)")
+    t.add_argument("--minutes", type=float, default=None, help="time budget for the training steps")
+    for name, kind in (("layers", int), ("hidden", int), ("experts", int), ("top-k", int), ("vocab-size", int),
+                       ("seq-len", int), ("batch-size", int), ("lr", float), ("seed", int)):
+        t.add_argument(f"--{name}", type=kind, default=None, help="override the preset")
+    t.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    t.add_argument("--experts-impl", default="auto", help="transformers experts implementation for training: "
+                   "auto (grouped_mm, else eager), grouped_mm, batched_mm, eager")
+    t.add_argument("--corpus", default=None, help="folder of .py files (default: this Python's standard library)")
+    t.set_defaults(func=run_train)
+    b = lm_sub.add_parser("bench", help="generation on moekit vs transformers' experts (one GPU)")
+    b.add_argument("--model", required=True, help="a saved model folder (e.g. from `moekit lm train`)")
+    b.add_argument("--prompts", default=None, help="prompts file (.jsonl or one per line; default: the model "
+                   "folder's heldout_prompts.jsonl)")
+    b.add_argument("--batches", default="1,16,64")
+    b.add_argument("--new-tokens", type=int, default=32)
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--implementations", default="transformers,fused,fused_fp8",
+                   help="comma-separated: transformers, torch, fused, fused_fp8")
+    b.add_argument("--out-dir", default="benchmarks/results")
+    b.set_defaults(func=run_bench)
