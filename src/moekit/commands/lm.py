@@ -51,11 +51,11 @@ def register(sub) -> None:
     b.add_argument("--model", required=True, help="a saved model folder (e.g. from `moekit lm train`)")
     b.add_argument("--prompts", default=None, help="prompts file (.jsonl or one per line; default: the model "
                    "folder's heldout_prompts.jsonl)")
-    b.add_argument("--batches", default="1,16,64")
-    b.add_argument("--new-tokens", type=int, default=32)
-    b.add_argument("--prompt-tokens", type=int, default=64)
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (default 1,16,64)")
+    b.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens")
+    b.add_argument("--repeats", type=int, default=3, help="timed generations per batch size (median reported)")
     b.add_argument("--implementations", default="transformers,fused,fused_fp8",
                    help="comma-separated: transformers, torch, fused, fused_fp8")
-    b.add_argument("--out-dir", default="benchmarks/results")
+    b.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
     b.set_defaults(func=run_bench)

@@ -84,12 +84,12 @@ def _register_record_and_report(t) -> None:
                     "keeps decode steps free of padding rows (default 8)")
     tr.add_argument("--prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
     tr.add_argument("--decode-steps", type=int, default=32, help="generated tokens recorded per batch (0: none)")
-    tr.add_argument("--max-batches", type=int, default=None)
+    tr.add_argument("--max-batches", type=int, default=None, help="stop after this many prefill batches (default: all prompts)")
     tr.add_argument("--experts", default="torch", help="moekit experts during recording: torch, fused, fused_fp8")
     tr.add_argument("--world-size", type=int, default=8, help="token rows are padded to a multiple of this")
     tr.add_argument("--weights", action="store_true", help="keep the routing weights too (larger files)")
-    tr.add_argument("--device", default="auto")
-    tr.add_argument("--name", default=None)
+    tr.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    tr.add_argument("--name", default=None, help="the name stored in the trace (default: the model directory's)")
     tr.set_defaults(func=record)
     rp = t.add_parser("report", help="per-layer skew, the Cap-and-Spill quantile table and EPLB vs the "
                       "padding-aware balancer for a trace (.npz)")
@@ -98,7 +98,7 @@ def _register_record_and_report(t) -> None:
     rp.add_argument("--gpus", type=int, default=None, help="GPUs for the balancers (default: the world size)")
     rp.add_argument("--slots-per-gpu", type=int, default=None, help="default: E/GPUs plus a quarter more")
     rp.add_argument("--block-size", type=int, default=64, help="kernel block rows for padded work (default 64)")
-    rp.add_argument("--json", action="store_true")
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.set_defaults(func=run_report)
 
 
