@@ -227,14 +227,14 @@ def _read_fields(archive: np.lib.npyio.NpzFile) -> dict:
     if version != FORMAT_VERSION:
         raise _FileProblem(f"unsupported format version {version} (this moekit reads {FORMAT_VERSION})")
     # The weights' dtype is checked (not cast) by _find_problem before construction.
-    weights = archive["topk_weights"] if "topk_weights" in keys else None
+    weights = _array(archive, "topk_weights") if "topk_weights" in keys else None
     metadata_text = _scalar(archive, "metadata", str) if "metadata" in keys else "{}"
     try:
         metadata = json.loads(metadata_text)
     except json.JSONDecodeError as err:
         raise _FileProblem(f"'metadata' is not valid JSON ({err})") from None
     return {
-        "topk_ids": archive["topk_ids"],
+        "topk_ids": _array(archive, "topk_ids"),
         "num_experts": _scalar(archive, "num_experts", int),
         "topk_weights": weights,
         "name": _scalar(archive, "name", str) if "name" in keys else "",
@@ -242,9 +242,17 @@ def _read_fields(archive: np.lib.npyio.NpzFile) -> dict:
     }
 
 
+def _array(archive: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
+    """A member as an array (numpy hands back the raw bytes of a member that is not .npy)."""
+    value = archive[key]
+    if not isinstance(value, np.ndarray):
+        raise _FileProblem(f"member {key!r} is not a .npy array")
+    return value
+
+
 def _scalar(archive: np.lib.npyio.NpzFile, key: str, kind: type) -> Any:
     """A 0-d member as a Python int or str, or a _FileProblem saying why it is not one."""
-    value = archive[key]
+    value = _array(archive, key)
     if value.ndim != 0:
         raise _FileProblem(f"{key!r} must be a scalar, got shape {value.shape}")
     if kind is int and np.issubdtype(value.dtype, np.integer):
