@@ -106,29 +106,41 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         return [_run_under_torchrun(fn, world_size, args, backend, timeout)]
     backend = backend or default_backend(world_size)
     ctx = mp.get_context("spawn")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+    store, port = _rendezvous_store(world_size, timeout)
+    ranks = []
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)  # one pipe per rank: a dying rank corrupts nothing shared
+            process = ctx.Process(target=_worker, name=f"moekit-rank-{rank}",
+                                  args=(rank, world_size, port, backend, timeout, fn, args, sender))
+            process.start()
+            sender.close()  # the parent keeps only the reading end, so a dead rank reads as EOF
+            ranks.append(_Rank(rank, process, receiver))
+        return _supervise(ranks, timeout)
+    finally:
+        for r in ranks:  # nothing outlives launch, whatever interrupted it
+            _stop(r.process)
+            r.receiver.close()
+        del store  # now, not whenever an exception's frame is collected: it closes its socket
+
+
+def _rendezvous_store(world_size: int, timeout: float):
+    """The rendezvous store, served from this process on a socket bound to 127.0.0.1 here
+    (so nothing listens on other interfaces, and no port is picked and then lost to a race)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         listener.bind((LOCALHOST, 0))
         listener.listen()
         port = listener.getsockname()[1]
-        # The store server runs in this process on the socket bound above; ranks connect to it.
         store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=True, wait_for_workers=False,
                               master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout))
-        ranks = []
-        try:
-            for rank in range(world_size):
-                receiver, sender = ctx.Pipe(duplex=False)  # one pipe per rank: a dying rank corrupts nothing shared
-                process = ctx.Process(target=_worker, name=f"moekit-rank-{rank}",
-                                      args=(rank, world_size, port, backend, timeout, fn, args, sender))
-                process.start()
-                sender.close()  # the parent keeps only the reading end, so a dead rank reads as EOF
-                ranks.append(_Rank(rank, process, receiver))
-            results = _supervise(ranks, timeout)
-        finally:
-            for r in ranks:  # nothing outlives launch, whatever interrupted it
-                _stop(r.process)
-                r.receiver.close()
-    del store
-    return results
+    except BaseException:
+        listener.close()
+        raise
+    # The store owns the socket from here on and closes it when it goes; closing it here too
+    # would close a descriptor number some later file may have been given.
+    listener.detach()
+    return store, port
 
 
 class _Rank:
@@ -200,9 +212,12 @@ def _supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
             elif deadline is None:
                 deadline = r.failed_at + timeout
     failed = [r for r in ranks if r.outcome[0] != "ok"]
-    for r in ranks:  # successful ranks leave after a barrier; give them time to close cleanly
+    # Successful ranks leave after a barrier; give them time to close cleanly (one shared
+    # allowance: with a failed peer their barrier cannot succeed, and launch stops them).
+    until = time.monotonic() + (_STOP_GRACE_S if failed else timeout)
+    for r in ranks:
         if r.outcome[0] == "ok":
-            r.process.join(timeout if not failed else _STOP_GRACE_S)
+            r.process.join(max(0.0, until - time.monotonic()))
     results = [r.outcome[1] if r.outcome[0] == "ok" else None for r in ranks]
     if not failed:
         return results
