@@ -142,7 +142,9 @@ def run_contract(rank: int, world_size: int) -> dict:
     failures, compared = [], []
     for top_k, steps in steps_by_top_k(world_size).items():
         E = 4 * world_size
-        made = dispatchers(E, top_k, {case_dtype(case) for case, _ in steps})
+        # Sorted: a set of dtypes iterates in a per-process order, and every rank must build
+        # its dispatchers in the same order (the configuration check caught exactly that).
+        made = dispatchers(E, top_k, sorted({case_dtype(case) for case, _ in steps}, key=str))
         for name, d in made.items():
             assert isinstance(d, Dispatcher), name
         for case, seed in steps:
