@@ -131,12 +131,9 @@ class StepCheck:
         """This rank's status for the step. Never raises for bad input, never reads the device."""
         problem = self._problem(x, topk_ids, topk_weights)
         if problem is not None:
-            words = torch.tensor(_numeric(1, 0, -1, -1) + _text_words(problem), dtype=torch.int64,
-                                 device=self.peers.device)
-            return LocalStatus(False, words)
+            return LocalStatus(False, _to_device(_numeric(1, 0, -1, -1) + _text_words(problem), self.peers.device))
         T, H = x.shape
-        words = torch.tensor(_numeric(0, T, H, _dtype_code(x.dtype)) + [0] * TEXT_WORDS, dtype=torch.int64,
-                             device=x.device)
+        words = _to_device(_numeric(0, T, H, _dtype_code(x.dtype)) + [0] * TEXT_WORDS, x.device)
         if topk_ids.numel():  # the id range stays on the device: it is read with the peers' statuses
             words[ID_MIN:ID_MAX + 1] = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
         return LocalStatus(True, words)
@@ -207,6 +204,16 @@ def _numeric(bad: int, tokens: int, hidden: int, dtype_code: int) -> list[int]:
     words[BAD], words[TOKENS], words[HIDDEN], words[DTYPE] = bad, tokens, hidden, dtype_code
     words[ID_MIN] = words[ID_MAX] = -1  # no ids: the range of an all-masked step
     return words
+
+
+def _to_device(words: list[int], device: torch.device) -> torch.Tensor:
+    """int64 words on ``device`` without a host sync: a plain copy from pageable memory
+    would wait for the device's queued work, so a GPU copy goes through pinned memory,
+    asynchronously (the caching host allocator keeps the buffer until the copy is done)."""
+    host = torch.tensor(words, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
