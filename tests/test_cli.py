@@ -157,3 +157,26 @@ def test_bench_dispatch_cli_prints_progress(capsys):
                  "--no-record"]) == 0
     out, err = capsys.readouterr()
     assert "[bench dispatch] alltoall on 2 ranks" in err and "deepseek-v3 with hidden changed" in out
+
+
+@pytest.mark.parametrize("case", ["directory", "corrupt compressed member", "flipped byte of a stored member",
+                                  "member is not an npy", "truncated zip", "missing topk_ids", "float ids",
+                                  "object array", "empty file"])
+def test_trace_stats_malformed_file_is_one_line(tmp_path, capsys, case):
+    """Each malformed trace: exit 2 and one line on stderr naming the file, no traceback."""
+    from tests.routing.test_routing_trace import MALFORMED
+
+    write, _ = MALFORMED[case]
+    path = tmp_path / f"{case.replace(' ', '_')}.npz"
+    write(path)
+    assert main(["trace", "stats", str(path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moekit: error: ") and str(path) in lines[0], captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_trace_stats_missing_file_is_one_line(tmp_path, capsys):
+    assert main(["trace", "stats", str(tmp_path / "nope.npz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.npz" in err[0]

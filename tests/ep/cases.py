@@ -19,17 +19,25 @@ def uniform_ids(g: torch.Generator, T: int, E: int, K: int) -> torch.Tensor:
     return torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
 
 
+MAX_TOKENS = 20  # no case gives a rank more tokens than this
+
+
 def build_case(name: str, world_size: int, seed: int, *, dtype=torch.float32):
-    """(xs, ids, weights, num_experts) per rank for the named case."""
+    """(xs, ids, weights, num_experts) per rank for the named case (H = 24, K = 2 unless the
+    case says otherwise, T <= MAX_TOKENS)."""
     g = torch.Generator().manual_seed(seed)
     E, K, H = 4 * world_size, 2, 24
     tokens = [int(t) for t in torch.randint(0, 20, (world_size,), generator=g)]
     if name == "k1":
         K = 1
+    if name == "k_eq_e":  # every token names every expert
+        K = E
     if name == "empty":
         tokens = [0] * world_size
     if name == "one_rank_empty":
         tokens[world_size - 1] = 0
+    if name in ("t_max", "one_expert_every_slot"):
+        tokens = [MAX_TOKENS] * world_size
     xs, ids, ws = [], [], []
     for r in range(world_size):
         T = tokens[r]
@@ -42,8 +50,16 @@ def build_case(name: str, world_size: int, seed: int, *, dtype=torch.float32):
             i[:, 1:] = -1
         if name == "rank0_only":  # only rank 0's experts are used: the others receive nothing
             i = torch.rand(T, E // world_size, generator=g).argsort(dim=1)[:, :K]
+        if name == "one_expert_every_slot":  # every slot of every token names the last expert
+            i = torch.full((T, K), E - 1, dtype=torch.int64)
         if name == "masked":
             i = torch.where(torch.rand(T, K, generator=g) < 0.3, torch.full_like(i, -1), i)
+        if name == "masked_rows":  # some rows fully masked, others partly
+            row = torch.rand(T, 1, generator=g) < 0.3
+            i = torch.where(row | (torch.rand(T, K, generator=g) < 0.2), torch.full_like(i, -1), i)
+        if name == "duplicates":  # slots repeat an expert within a row (drawn with replacement)
+            i = torch.randint(0, E, (T, K), generator=g)
+            i[::2, K - 1] = i[::2, 0]
         w = torch.rand(T, K, generator=g, dtype=torch.float32) + 0.05
         xs.append(torch.randn(T, H, generator=g).to(dtype))
         ids.append(i.to(torch.int64))
@@ -52,6 +68,8 @@ def build_case(name: str, world_size: int, seed: int, *, dtype=torch.float32):
 
 
 CASES = ["uniform", "skewed", "rank0_only", "one_expert", "empty", "one_rank_empty", "k1", "masked"]
+# The adversarial battery of the dispatcher contract test: CASES and the routings below.
+ADVERSARIAL_CASES = CASES + ["t_max", "one_expert_every_slot", "masked_rows", "duplicates", "k_eq_e"]
 
 
 def fake_expert_rows(rows: torch.Tensor, global_expert: int, first_row: int = 0) -> torch.Tensor:

@@ -28,9 +28,36 @@ def test_spawned_ranks_return_results_in_rank_order():
     assert torch.equal(results[2]["tensor"], torch.tensor([0, 2, 4]))
 
 
-def test_bad_world_size():
+def test_bad_world_size_and_timeout():
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_info, 0, "x")
+    for bad in (0, -1.0, float("inf"), "5", None):
+        with pytest.raises(ValueError, match="timeout"):
+            launch(_rank_info, 2, "x", timeout=bad)
+
+
+def _one_rank_raises(rank, world_size):
+    if rank == 1:
+        raise KeyError("no such expert")
+    return rank
+
+
+def test_a_rank_that_raises_fails_the_launch_with_its_traceback():
+    """The others finish normally; the error names the rank, carries its traceback, and is
+    still a torch ProcessRaisedException for callers that catch that."""
+    import torch.multiprocessing as mp
+
+    from moekit.ep import RankFailedError
+    from tests.ep.deadline import hard_deadline
+
+    with hard_deadline(240, "launch"), pytest.raises(RankFailedError) as info:
+        launch(_one_rank_raises, 2, backend="gloo", timeout=30)
+    error = info.value
+    assert isinstance(error, mp.ProcessRaisedException) and error.error_index == 1
+    assert error.failures == {1: "KeyError: 'no such expert'"} and error.results == [0, None]
+    lines = str(error).strip().splitlines()
+    assert lines[0] == "rank 1 raised:" and any("_one_rank_raises" in line for line in lines)
+    assert lines[-1] == "launch: 1 of 2 ranks failed; rank 1: KeyError: 'no such expert'"
 
 
 def test_under_torchrun(tmp_path):

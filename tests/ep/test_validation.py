@@ -85,7 +85,7 @@ def _bad_input_worker(rank, world_size, problem):
 
 
 @pytest.mark.parametrize("problem, match", [("ids", r"rank 1: topk_ids must be in \[-1, 7\]"),
-                                            ("tokens", r"rank 1: x has more tokens .* T in \[0, 6\]")])
+                                            ("tokens", r"rank 1: x has T=7 tokens; this dispatcher allows T in \[0, 6\]")])
 def test_bad_input_on_one_rank_raises_on_every_rank(problem, match):
     import re
 
@@ -95,3 +95,66 @@ def test_bad_input_on_one_rank_raises_on_every_rank(problem, match):
     for message, received in results:
         assert message is not None and re.search(match, message), message
         assert received > 0
+
+
+# -- constructors and non-tensor inputs, every dispatcher (one process) -----------------------
+
+def _make(kind, **kw):
+    from moekit.ep import CapAndSpillDispatcher, EPLowLatencyAllToAll, MaxCountsDispatcher
+
+    args = dict(num_experts=4, max_tokens=5, top_k=2, hidden=8) | kw
+    E, T, K, H = args.pop("num_experts"), args.pop("max_tokens"), args.pop("top_k"), args.pop("hidden")
+    if kind == "alltoall":
+        return AllToAllDispatcher(E, max_tokens=T, top_k=K, hidden=H, **args)
+    if kind == "maxcounts":
+        return MaxCountsDispatcher(E, 10, T, top_k=K, hidden=H, **args)
+    if kind == "capspill":
+        return CapAndSpillDispatcher(E, 1, T, top_k=K, hidden=H, **args)
+    if kind == "capspill-cond":
+        return CapAndSpillDispatcher(E, 1, T, top_k=K, hidden=H, conditional=True, **args)
+    return EPLowLatencyAllToAll(T, H, K, E, online_fp8=False, **({"dtype": torch.float32} | args))
+
+
+DISPATCHER_KINDS = ["alltoall", "maxcounts", "capspill", "capspill-cond", "lowlatency"]
+
+
+@pytest.mark.parametrize("kind", DISPATCHER_KINDS)
+@pytest.mark.parametrize("bad, name", [
+    (dict(num_experts=8.0), "num_experts"), (dict(num_experts=0), "num_experts"), (dict(num_experts=True), "num_experts"),
+    (dict(max_tokens=-1), "max_tokens|max_m"), (dict(max_tokens=2.5), "max_tokens|max_m"),
+    (dict(top_k=0), "top_k|topk"), (dict(hidden=0), "hidden"), (dict(timeout=-1), "timeout"),
+    (dict(timeout="5"), "timeout"), (dict(dtype="float32"), "dtype"),
+])
+def test_constructors_reject_bad_arguments_by_name(kind, bad, name):
+    with pytest.raises(ValueError, match=name):
+        _make(kind, **bad)
+
+
+@pytest.mark.parametrize("kind", DISPATCHER_KINDS)
+@pytest.mark.parametrize("x", [[[1.0] * 8], None, 3.0, "x"])
+def test_non_tensor_x_is_the_validation_error(kind, x):
+    """The ValueError of validate_routing, not an AttributeError from poking at x."""
+    d = _make(kind)
+    ids, w = torch.tensor([[0, 1]]), torch.rand(1, 2)
+    with pytest.raises(ValueError, match=r"x must be a 2-D tensor \[T, H\], got"):
+        d.dispatch(x, ids, w)
+    assert d.dispatch(torch.randn(1, 8), ids, w).counts.sum() == 2  # still usable
+
+
+def test_fixed_buffer_check_replay_after_an_eager_step_finds_nothing():
+    d = _make("maxcounts")
+    x, ids, w = _inputs(T=5, H=8, K=2, E=4)
+    d.check_replay(d.dispatch(x, ids, w))
+
+
+def test_lowlatency_check_replay_raises_for_ids_masked_in_a_capture(monkeypatch):
+    from moekit.ep.lowlatency import api
+
+    layer = _make("lowlatency")
+    x, ids, w = _inputs(T=5, H=8, K=2, E=4)
+    monkeypatch.setattr(api, "_capturing", lambda t: True)
+    bad = ids.clone()
+    bad[0, 0] = 9
+    with pytest.raises(ValueError, match=r"this rank: topk_ids held ids outside \[-1, 3\]"):
+        layer.check_replay(layer.dispatch(x, bad, w))
+    layer.check_replay(layer.dispatch(x, ids, w))

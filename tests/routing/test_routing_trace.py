@@ -3,6 +3,7 @@
 import io
 import json
 import pickle
+import zipfile
 
 import numpy as np
 import pytest
@@ -117,7 +118,52 @@ def _set(key, value):
     return lambda m: m.__setitem__(key, value)
 
 
+def _member_data_offset(data: bytes, name: str) -> int:
+    """Where member ``name``'s (possibly compressed) bytes start in a zip archive."""
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo(name)
+    local = info.header_offset
+    name_len = int.from_bytes(data[local + 26:local + 28], "little")
+    extra_len = int.from_bytes(data[local + 28:local + 30], "little")
+    return local + 30 + name_len + extra_len
+
+
+def _corrupt_compressed_member(path):
+    """A trace as save() writes it (deflated) with bytes inside the topk_ids stream flipped:
+    the member no longer decompresses (zlib.error)."""
+    rng = np.random.default_rng(1)
+    RoutingTrace(rng.integers(-1, 6, size=(30, 2, 64, 2)), num_experts=6).save(path)
+    data = bytearray(path.read_bytes())
+    start = _member_data_offset(bytes(data), "topk_ids.npy")
+    for i in range(8):
+        data[start + 200 + i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _flipped_stored_byte(path):
+    """An uncompressed archive with one bit of topk_ids' data flipped: every read succeeds,
+    only the member's CRC tells (numpy alone would load the wrong id)."""
+    _write_npz(path, valid_members(make_trace()))
+    data = bytearray(path.read_bytes())
+    start = _member_data_offset(bytes(data), "topk_ids.npy")
+    header_len = int.from_bytes(data[start + 8:start + 10], "little")
+    data[start + 10 + header_len + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _member_not_npy(path):
+    members = valid_members(make_trace())
+    _write_npz(path, {k: v for k, v in members.items() if k != "topk_ids"})
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("topk_ids.npy", b"this is not an array")
+
+
 MALFORMED = {
+    "directory": (lambda p: p.mkdir(), "is a directory"),
+    "corrupt compressed member": (_corrupt_compressed_member, r"corrupt or unreadable \(zlib.error"),
+    "flipped byte of a stored member": (_flipped_stored_byte, "do not match the archive's CRC"),
+    "member is not an npy": (_member_not_npy, "is not a .npy array"),
+    "num_experts not scalar": (_broken(_set("num_experts", np.asarray([6, 6]))), "scalar"),
+    "int32 weights": (_broken(_set("topk_weights", np.zeros((3, 2, 8, 2), np.int32))), "float32"),
     "text file": (lambda p: p.write_text("not a trace"), "not a readable"),
     "empty file": (lambda p: p.write_bytes(b""), "not a readable"),
     "single npy": (lambda p: p.write_bytes(_npy_bytes(np.zeros(3))), "single .npy"),

@@ -1,8 +1,9 @@
 """Eager expert-parallel dispatch/combine over ``all_to_all_single``.
 
 Dispatch: each rank sorts its (token, slot) pairs by destination expert, exchanges the
-per-(rank, expert) counts (and an error code) with one all-to-all, reads them on the host
-once to size the messages, then sends one row per pair (the token's hidden vector) plus its (token, slot) index.
+per-(rank, expert) counts (and its step status, :mod:`moekit.ep.agreement`) with one
+all-to-all, reads them on the host once to size the messages, then sends one row per pair
+(the token's hidden vector) plus its (token, slot) index.
 Combine returns the expert outputs along the reverse path and sums the K slots of each
 token with ``weighted_slot_sum``. Works on gloo (CPU) and NCCL (GPU); a single process
 with no process group runs the same code with the collectives replaced by copies.
@@ -16,57 +17,82 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
+from moekit.ep.agreement import NUMERIC_WORDS, STATUS_WORDS, StepCheck, agree_on_config
+from moekit.ep.checks import check_optional_int
+from moekit.ep.dispatcher import Dispatched, DispatchHandle, weighted_slot_sum
 from moekit.ep.layout import ExpertPlacement, PlacedExperts, expert_major_positions, plan_send
+from moekit.ep.peers import PeerGroup
 
 
 class AllToAllDispatcher(PlacedExperts):
     """Eager dispatcher: exact-size messages, expert-major output with dynamic capacity.
 
     ``capacity`` of the result is the largest number of rows any local expert received.
-    One host read per dispatch (message sizes and errors); combine reads nothing.
+    One host read per dispatch (message sizes and every rank's step status); combine reads
+    nothing.
 
-    Errors: malformed arguments (dims, dtypes, devices, H or K not the dispatcher's) raise
-    a ValueError on the calling rank before any communication. Data-dependent errors —
-    expert ids outside [-1, E) and T > ``max_tokens`` — are found on the device and sent
-    to every peer with the counts, so *every* rank raises the same ValueError, naming the
-    rank at fault, instead of the healthy ranks waiting forever in a collective.
+    ``hidden``, ``top_k``, ``max_tokens``, ``dtype``: optional limits on the inputs (None:
+    any). ``timeout``: seconds a collective on CPU tensors waits for the peers before
+    raising :class:`~moekit.ep.PeerError` (None: the process group's timeout; NCCL always
+    uses that one, see :mod:`moekit.ep.peers`).
+
+    Ranks fail together (:mod:`moekit.ep.agreement`): building one checks, in one small
+    collective, that every rank passed the same configuration. In ``dispatch``, a bad
+    input on any rank (malformed arguments, expert ids outside [-1, E), T > ``max_tokens``,
+    x of another H or dtype than the other ranks') travels to every peer in the counts
+    message, which that rank still sends, so *every* rank raises the same ValueError naming
+    the rank at fault, before any token moves, and the next step pairs up normally.
+    ``combine``'s shape check is rank-local: a rank passing a wrong ``expert_out`` raises
+    alone, and its peers' combine fails within the timeout.
     """
 
-    # Error codes carried in the extra column of the counts message.
-    _BAD_IDS, _TOO_MANY_TOKENS = 1, 2
-
     def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
-                 hidden: int | None = None, top_k: int | None = None, max_tokens: int | None = None):
-        self.group = group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if distributed else 0
-        self.world_size = dist.get_world_size(group) if distributed else 1
-        # NCCL moves only CUDA tensors: check the device up front for a clear error.
-        self.needs_cuda = distributed and "nccl" in str(dist.get_backend(group))
-        self.placement = ExpertPlacement(num_experts, self.world_size)
-        self.hidden, self.top_k, self.max_tokens = hidden, top_k, max_tokens
+                 hidden: int | None = None, top_k: int | None = None, max_tokens: int | None = None,
+                 dtype: torch.dtype | None = None, timeout: float | None = None):
+        self.peers = PeerGroup(group, owner="AllToAllDispatcher")
+        self.group, self.rank, self.world_size = group, self.peers.rank, self.peers.world_size
+
+        def build() -> None:
+            self.peers.set_timeout(timeout)
+            self.placement = ExpertPlacement(num_experts, self.world_size)
+            self.hidden = check_optional_int("hidden", hidden, 1)
+            self.top_k = check_optional_int("top_k", top_k, 1)
+            self.max_tokens = check_optional_int("max_tokens", max_tokens, 0)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+            self.dtype = dtype
+
+        agree_on_config(self.peers, "AllToAllDispatcher", dict(
+            num_experts=num_experts, hidden=hidden, top_k=top_k, max_tokens=max_tokens, dtype=dtype,
+            world_size=self.world_size, placement="contiguous"), build)
+        self.step = StepCheck("AllToAllDispatcher", self.peers, self.num_experts, hidden=self.hidden,
+                              top_k=self.top_k, max_tokens=self.max_tokens, dtype=self.dtype)
+
+    @property
+    def needs_cuda(self) -> bool:
+        return self.peers.needs_cuda
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
-        validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden,
-                         top_k=self.top_k, check_ids=False)
-        if self.needs_cuda and x.device.type != "cuda":
-            raise ValueError(f"x is on {x.device}; this dispatcher's process group is NCCL, which needs CUDA tensors")
-        plan = plan_send(topk_ids, self.placement)
-        error = torch.where(plan.invalid > 0, self._BAD_IDS, 0)
-        if self.max_tokens is not None and x.shape[0] > self.max_tokens:
-            error = torch.full_like(error, self._TOO_MANY_TOKENS)
+        status = self.step.inspect(x, topk_ids, topk_weights)
         P, E_local = self.world_size, self.experts_per_rank
-        message = torch.cat([plan.counts, error.view(1, 1).expand(P, 1)], dim=1)
-        received = self._all_to_all_equal(message)  # [P, E_local + 1]: row s = what s sends us
+        if status.ok:
+            plan = plan_send(topk_ids, self.placement)
+            counts = plan.counts
+        else:  # still take part in the step: an empty contribution that carries the error
+            plan, counts = None, torch.zeros(P, E_local, dtype=torch.int64, device=status.words.device)
+        message = torch.cat([counts, status.words.view(1, STATUS_WORDS).expand(P, STATUS_WORDS)], dim=1)
+        received = self._all_to_all_equal(message)  # [P, E_local + STATUS_WORDS]: row s = what s sends us
         recv_counts = received[:, :E_local]
+        statuses = received[:, E_local:]
         counts = recv_counts.sum(0)
-        # The one host read of the eager path: message sizes, capacity and every rank's error.
+        # The one host read of the eager path: message sizes, capacity and every rank's status.
         capacity = counts.max().view(1) if counts.numel() else counts.new_zeros(1)
-        host = torch.cat([plan.counts.sum(1), recv_counts.sum(1), capacity, received[:, E_local],
-                          plan.invalid.view(1)]).tolist()
+        host = torch.cat([counts.new_zeros(P) if plan is None else plan.counts.sum(1), recv_counts.sum(1), capacity,
+                          statuses[:, :NUMERIC_WORDS].reshape(-1)]).tolist()
         send_splits, recv_splits, capacity = host[:P], host[P:2 * P], host[2 * P]
-        self._raise_peer_errors(host[2 * P + 1:3 * P + 1], x.shape[0], host[-1])
+        numeric = host[2 * P + 1:]
+        self.step.settle([numeric[s * NUMERIC_WORDS:(s + 1) * NUMERIC_WORDS] for s in range(P)],
+                         lambda s: statuses[s, NUMERIC_WORDS:])
         pair = plan.pairs(sum(send_splits))
         token, slot = pair // plan.top_k, pair % plan.top_k
 
@@ -75,7 +101,6 @@ class AllToAllDispatcher(PlacedExperts):
         recv_index = self._all_to_all(torch.stack([token, slot], dim=1), sum(recv_splits), recv_splits, send_splits)
 
         expert, pos, src = expert_major_positions(recv_counts, sum(recv_splits))
-        E_local = self.experts_per_rank
         tokens = x.new_zeros(E_local, capacity, H)
         tokens[expert, pos] = recv_x
         # Source rank, token and slot of every row, -1 on padding (one scatter for all three).
@@ -89,7 +114,8 @@ class AllToAllDispatcher(PlacedExperts):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """[T, H] in ``expert_out``'s dtype. The shape check is rank-local: a rank passing a
-        wrong ``expert_out`` raises alone (its peers then wait in the collective)."""
+        wrong ``expert_out`` raises alone, and its peers' collective fails within the timeout
+        (combine sends no status: its shapes follow from the dispatch every rank agreed on)."""
         state = dispatched.handle.state
         if expert_out.dim() != 3 or expert_out.shape[:2] != dispatched.tokens.shape[:2]:
             raise ValueError(
@@ -103,35 +129,11 @@ class AllToAllDispatcher(PlacedExperts):
         slot_out[state["pair"]] = returned
         return weighted_slot_sum(slot_out.view(T, K, H), state["topk_ids"], state["topk_weights"], expert_out.dtype)
 
-    def _raise_peer_errors(self, codes: list[int], num_tokens: int, my_invalid: int) -> None:
-        """Raise the same ValueError on every rank when any rank's input was bad."""
-        bad = [(src, code) for src, code in enumerate(codes) if code]
-        if not bad:
-            return
-        parts = []
-        for src, code in bad:
-            if code == self._BAD_IDS:
-                detail = f" ({my_invalid} ids)" if src == self.rank else ""
-                parts.append(f"rank {src}: topk_ids must be in [-1, {self.num_experts - 1}] "
-                             f"(-1 = masked slot), got ids outside that range{detail}")
-            else:
-                detail = f" (got T={num_tokens})" if src == self.rank else ""
-                parts.append(f"rank {src}: x has more tokens than this dispatcher allows, "
-                             f"T in [0, {self.max_tokens}]{detail}")
-        raise ValueError("; ".join(parts))
-
     # -- collectives (plain copies when there is a single rank) --------------------------------
 
     def _all_to_all_equal(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(t)
-        if self.world_size == 1:
-            return out.copy_(t)
-        dist.all_to_all_single(out, t.contiguous(), group=self.group)
-        return out
+        return self.peers.all_to_all(torch.empty_like(t), t, what="counts exchange")
 
     def _all_to_all(self, t: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         out = t.new_empty((out_rows, *t.shape[1:]))
-        if self.world_size == 1:
-            return out.copy_(t)
-        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
-        return out
+        return self.peers.all_to_all(out, t, out_splits, in_splits, what="token exchange")

@@ -18,7 +18,7 @@ contract allows, which does not forbid a token from naming the same expert in tw
 
 Calibration reads the per-peer counts of a :class:`~moekit.routing.RoutingTrace` on P
 ranks (tokens rank-major, experts contiguous: :func:`moekit.routing.peer_counts`) and picks
-C as a quantile of them, as the Cap-and-Spill seed does (C = Q99); MaxCounts takes their
+C as a quantile of them, as the Cap-and-Spill paper does (C = Q99); MaxCounts takes their
 maximum.
 """
 
@@ -29,19 +29,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from moekit.ep.checks import check_int
 from moekit.routing.stats import peer_counts
 from moekit.routing.trace import RoutingTrace
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def pair_bound(max_tokens: int, top_k: int) -> int:
     """Most pairs one rank can send to one peer in a call: ``T_max * K``."""
-    return _check_int("max_tokens", max_tokens, 0) * _check_int("top_k", top_k, 1)
+    return check_int("max_tokens", max_tokens, 0) * check_int("top_k", top_k, 1)
 
 
 def spill_capacity(max_tokens: int, top_k: int, capacity: int) -> int:
@@ -50,7 +45,7 @@ def spill_capacity(max_tokens: int, top_k: int, capacity: int) -> int:
     Exact: no routing overflows a pair by more, and routing all ``T_max * K`` pairs of a
     rank to one peer overflows it by exactly S.
     """
-    return max(pair_bound(max_tokens, top_k) - _check_int("capacity", capacity, 0), 0)
+    return max(pair_bound(max_tokens, top_k) - check_int("capacity", capacity, 0), 0)
 
 
 def expert_capacity(world_size: int, max_tokens: int, top_k: int, pair_capacity: int) -> int:
@@ -61,8 +56,8 @@ def expert_capacity(world_size: int, max_tokens: int, top_k: int, pair_capacity:
     no expert receives more; the bound is reached when every rank sends all its pairs to
     the same expert.
     """
-    world_size = _check_int("world_size", world_size, 1)
-    return world_size * min(_check_int("pair_capacity", pair_capacity, 0), pair_bound(max_tokens, top_k))
+    world_size = check_int("world_size", world_size, 1)
+    return world_size * min(check_int("pair_capacity", pair_capacity, 0), pair_bound(max_tokens, top_k))
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ class CapacityCalibration:
     overflow figures say how often a count exceeds C:
 
     * ``overflow_send_fraction``: of sends — one source rank in one (step, layer) — that
-      overflow to at least one peer. This is the seed's "overflow (%)" (5.4% at Q99 on its
+      overflow to at least one peer. This is the Cap-and-Spill paper's "overflow (%)" (5.4% at Q99 on its
       8-rank Mixtral traces, which ``mixtral_capspill_trace`` reproduces);
     * ``overflow_slice_fraction``: of per-peer counts c[i, j] > C;
     * ``overflow_token_fraction``: of routed pairs that do not fit in the first pass,
@@ -106,7 +101,7 @@ def trace_peer_counts(trace: RoutingTrace, world_size: int) -> np.ndarray:
     """Per-peer counts ``[steps, layers, P, P]`` of ``trace`` on ``world_size`` ranks."""
     if not isinstance(trace, RoutingTrace):
         raise ValueError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
-    return np.asarray(peer_counts(trace.topk_ids, trace.num_experts, _check_int("world_size", world_size, 1)))
+    return np.asarray(peer_counts(trace.topk_ids, trace.num_experts, check_int("world_size", world_size, 1)))
 
 
 def calibrate_capacity(trace: RoutingTrace, quantile: float, world_size: int) -> CapacityCalibration:

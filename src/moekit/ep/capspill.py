@@ -1,4 +1,4 @@
-"""Fixed-buffer dispatchers for CUDA graphs: MaxCounts and Cap-and-Spill (seed 000).
+"""Fixed-buffer dispatchers for CUDA graphs: MaxCounts and Cap-and-Spill.
 
 A CUDA graph replays fixed shapes, so a graph-captured dispatch cannot size its messages
 from this step's counts the way :class:`~moekit.ep.AllToAllDispatcher` does. Both
@@ -6,21 +6,33 @@ dispatchers here send per-peer buffers ``[P, rows, ...]`` whose size is fixed at
 construction, exchanged with ``all_to_all_single`` on equal splits:
 
 * :class:`MaxCountsDispatcher` — one pass with ``rows = C_max``, the worst case seen in a
-  trace (the seed's baseline). A step whose per-peer count exceeds C_max cannot be
-  delivered: it raises :class:`CapacityOverflowError` on every rank in eager mode and sets
-  ``handle.state["overflow"]`` inside a graph.
+  trace (the Cap-and-Spill paper's baseline). A step whose per-peer count exceeds C_max
+  cannot be delivered: it raises :class:`CapacityOverflowError` on every rank, before
+  anything is sent, in eager mode, and sets ``handle.state["overflow"]`` inside a graph.
 * :class:`CapAndSpillDispatcher` — pass 1 carries the first C pairs of every peer pair
   (C = a high quantile, e.g. Q99); pass 2 ("spill") carries the rest in buffers of
   ``S = max(T_max * K - C, 0)`` rows per peer, the exact bound on one pair's overflow
   (:func:`moekit.ep.capacity.spill_capacity`). Nothing can be lost. ``conditional=True``
-  skips pass 2 when no rank overflowed, which costs an all-reduce and a host sync.
+  skips pass 2 when no rank overflowed, which eager mode decides from the step statuses
+  every rank exchanges anyway (below), and a graph from :meth:`CapAndSpillDispatcher.spill_flag`.
 
 Wire format. Every row of a dispatch message is raw bytes: a 16-byte header (int32 local
-expert or -1 for an empty row, token, slot, and the sender's largest per-peer count)
-followed by the token's hidden vector. Carrying the routing in the row keeps each pass to
-one collective, lets the receiver place rows without a separate count exchange, and tells
-every rank every sender's largest count, so all ranks reach the same overflow decision
-without another collective. Copying bytes never changes a value, so results are bitwise.
+expert or -1 for an empty row, token, slot, and the sender's status word: its largest
+per-peer count in bits 0-29, bit 30 set when it had expert ids outside [-1, E)) followed
+by the token's hidden vector. Carrying the routing in the row keeps each pass to one
+collective, lets the receiver place rows without a separate count exchange, and tells
+every rank every sender's largest count and flag, so inside a CUDA graph all ranks reach
+the same overflow decision and see the same bad-id flags without another collective.
+Copying bytes never changes a value, so results are bitwise.
+
+Ranks fail together (:mod:`moekit.ep.agreement`). Building a dispatcher checks once that
+every rank passed the same configuration. An eager ``dispatch`` first exchanges every
+rank's step status in one small all-gather (with the one host read it makes anyway), so a
+bad input on one rank — malformed arguments, ids outside [-1, E), T > T_max, another H
+or dtype than its peers' — or a MaxCounts overflow raises the same error on every rank
+before any token moves, and the next step pairs up normally. Inside a CUDA graph the
+status cannot be read, so bad ids are masked and flagged per rank in the row headers;
+call :meth:`check_replay` after a replay to raise what the eager path would have raised.
 
 Result layout. ``Dispatched.tokens`` is ``[E_local, cap, H]`` with the fixed
 ``cap = P * min(pair capacity, T_max * K)`` (:func:`moekit.ep.capacity.expert_capacity`);
@@ -45,12 +57,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.ep.capacity import expert_capacity, spill_capacity
+from moekit.ep.agreement import MAX_COUNT, StepCheck, agree_on_config, raise_for_flagged_ranks
+from moekit.ep.capacity import expert_capacity, pair_bound, spill_capacity
+from moekit.ep.checks import check_bool, check_int, check_optional_int, is_int
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
 from moekit.ep.layout import ExpertPlacement, PlacedExperts
+from moekit.ep.peers import PeerGroup
 
-HEADER_BYTES = 16  # four int32 per row: local expert (-1 = empty), token, slot, sender's max count
-_EXPERT, _TOKEN, _SLOT, _MAX_COUNT = range(4)
+HEADER_BYTES = 16  # four int32 per row: local expert (-1 = empty), token, slot, sender's status word
+_EXPERT, _TOKEN, _SLOT, _STATUS = range(4)
+_INVALID_BIT = 30  # in the status word, above the largest per-peer count (< 2**30, checked when built)
+_COUNT_MASK = (1 << _INVALID_BIT) - 1
 
 
 class CapacityOverflowError(RuntimeError):
@@ -72,9 +89,10 @@ class FixedPlan:
     ``rank_start[j]``: pairs for rank j and where they start in send order.
     ``pair_rank`` / ``pair_pos``: per pair (flat order), destination rank (P when masked)
     and position in the stream to that rank. ``max_count``: ``rank_counts.max()`` (int32).
-    ``invalid``: an id was out of range (replaced by -1; only checked on the host outside
-    graphs). ``num_tokens``: the caller's T (the plan may hold one extra masked row when
-    T = 0, since fixed-shape gathers need a row to read).
+    ``invalid``: an id was out of range (replaced by -1; the eager path refuses such a step
+    before planning, a graph carries the flag in the headers). ``num_tokens``: the caller's
+    T (the plan may hold one extra masked row when T = 0, since fixed-shape gathers need a
+    row to read).
     """
 
     ids: torch.Tensor
@@ -94,15 +112,9 @@ class FixedPlan:
         return self.ids.shape[1]
 
 
-def _check_sizes(capacity, max_tokens, top_k) -> None:
-    for name, value, low in (("capacity", capacity, 0), ("max_tokens", max_tokens, 1), ("top_k", top_k, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s work is being recorded into a CUDA graph (no host reads allowed)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return isinstance(t, torch.Tensor) and t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -112,24 +124,50 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
 class _FixedBufferDispatcher(PlacedExperts):
     """Shared machinery: plan, pack a range of stream positions, exchange, unpack, combine.
 
-    Subclasses choose the first-pass rows (``capacity``) and the spill rows
-    (``spill_rows``, 0 for none) and when the spill pass runs.
+    Subclasses choose the first-pass rows (``capacity``, at least ``_min_capacity``), whether
+    there is a spill pass (``_spills``: then ``spill_rows`` = S, else 0), their own options
+    (``_set_options``) and when the spill pass runs.
     """
 
+    _capacity_name = "capacity"
+    _min_capacity = 0
+    _spills = False
+
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
-                 spill_rows: int, group: dist.ProcessGroup | None = None, hidden: int | None = None):
-        _check_sizes(capacity, max_tokens, top_k)
-        if top_k > num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        self.group = group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if distributed else 0
-        self.world_size = dist.get_world_size(group) if distributed else 1
-        self.placement = ExpertPlacement(num_experts, self.world_size)
-        self.capacity, self.spill_rows = capacity, spill_rows
-        self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
-        # Every row a pair can reach, over both passes, fits here (see capacity.py).
-        self.expert_capacity = expert_capacity(self.world_size, max_tokens, top_k, capacity + spill_rows)
+                 group: dist.ProcessGroup | None = None, hidden: int | None = None,
+                 dtype: torch.dtype | None = None, timeout: float | None = None, **options):
+        kind = type(self).__name__
+        self.peers = PeerGroup(group, owner=kind)
+        self.group, self.rank, self.world_size = group, self.peers.rank, self.peers.world_size
+
+        def build() -> None:
+            self.peers.set_timeout(timeout)
+            self.placement = ExpertPlacement(num_experts, self.world_size)
+            self.capacity = check_int(self._capacity_name, capacity, self._min_capacity)
+            self.max_tokens = check_int("max_tokens", max_tokens, 1)
+            if not is_int(top_k) or not 1 <= top_k <= num_experts:
+                raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+            self.top_k = int(top_k)
+            if pair_bound(self.max_tokens, self.top_k) > _COUNT_MASK:  # the status word's count bits
+                raise ValueError(f"max_tokens * top_k must be < 2**{_INVALID_BIT}, got {max_tokens} * {top_k}")
+            self.hidden = check_optional_int("hidden", hidden, 1)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+            self.dtype = dtype
+            self.spill_rows = spill_capacity(self.max_tokens, self.top_k, self.capacity) if self._spills else 0
+            self._set_options(**options)
+            # Every row a pair can reach, over both passes, fits here (see capacity.py).
+            self.expert_capacity = expert_capacity(self.world_size, self.max_tokens, self.top_k,
+                                                   self.capacity + self.spill_rows)
+
+        agree_on_config(self.peers, kind, dict(
+            num_experts=num_experts, capacity=capacity, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+            dtype=dtype, world_size=self.world_size, placement="contiguous", **options), build)
+        self.step = StepCheck(kind, self.peers, self.num_experts, hidden=self.hidden, top_k=self.top_k,
+                              max_tokens=self.max_tokens, dtype=self.dtype)
+
+    def _set_options(self, **options) -> None:
+        raise NotImplementedError
 
     # -- phases ------------------------------------------------------------------------
 
@@ -183,8 +221,9 @@ class _FixedBufferDispatcher(PlacedExperts):
         pair = plan.sorted_pair[in_order]
         token = torch.div(pair, K, rounding_mode="floor")
         fields = [plan.sorted_local[in_order], token, pair % K]
+        status = plan.max_count.to(torch.int64) | (plan.invalid.to(torch.int64) << _INVALID_BIT)
         header = torch.stack([torch.where(filled, f, -1) for f in fields]
-                             + [plan.max_count.expand(P, rows).to(torch.int64)], dim=-1).to(torch.int32)
+                             + [status.expand(P, rows)], dim=-1).to(torch.int32)
         payload = _row_bytes(x).index_select(0, token.reshape(-1))
         row = torch.cat([header.view(torch.uint8).reshape(P * rows, HEADER_BYTES), payload], 1)
         return row.view(P, rows, HEADER_BYTES + payload.shape[1])
@@ -196,10 +235,9 @@ class _FixedBufferDispatcher(PlacedExperts):
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         """``all_to_all_single`` of a ``[P, rows, ...]`` buffer: slice j goes to rank j."""
         out = torch.empty_like(buf)
-        if self.world_size == 1 or buf.numel() == 0:  # nothing to send: every rank knows it statically
-            return out.copy_(buf)
-        dist.all_to_all_single(out, buf, group=self.group)
-        return out
+        if buf.numel() == 0:  # nothing to send: every rank knows it statically
+            return out
+        return self.peers.all_to_all(out, buf, what="token exchange")
 
     def unpack(self, plan: FixedPlan, received: list[torch.Tensor], x: torch.Tensor) -> Dispatched:
         """Merge the received passes into the expert-major result, in canonical row order.
@@ -242,9 +280,10 @@ class _FixedBufferDispatcher(PlacedExperts):
         handle.index_copy_(1, dest.reshape(-1), origin)
 
         largest = self._largest_count(plan, header)
+        invalid_by_rank = self._invalid_by_rank(plan, header)
         src_rank, src_token, src_slot = handle[:, :spare].reshape(3, E_local, cap)
-        state = dict(plan=plan, dest=dest, pass_rows=[r.shape[1] for r in received],
-                     largest_count=largest, overflow=largest > rows, invalid_ids=plan.invalid)
+        state = dict(plan=plan, dest=dest, pass_rows=[r.shape[1] for r in received], largest_count=largest,
+                     overflow=largest > rows, invalid_ids=invalid_by_rank.any(), invalid_by_rank=invalid_by_rank)
         return Dispatched(tokens[:spare].view(E_local, cap, H), per_source.sum(0),
                           DispatchHandle(src_rank, src_token, src_slot, state))
 
@@ -258,26 +297,78 @@ class _FixedBufferDispatcher(PlacedExperts):
         mine = plan.max_count.to(torch.int64)
         if header.numel() == 0:
             return mine
-        return torch.maximum(mine, header[..., _MAX_COUNT].max())
+        return torch.maximum(mine, (header[..., _STATUS] & _COUNT_MASK).max())
+
+    def _invalid_by_rank(self, plan: FixedPlan, header: torch.Tensor) -> torch.Tensor:
+        """``[P]`` bool: sender r had expert ids outside [-1, E) (from its rows' status words;
+        with no rows at all, only this rank's own flag is known)."""
+        own = torch.zeros(self.world_size, dtype=torch.bool, device=header.device)
+        own[self.rank] = plan.invalid
+        if header.shape[1] == 0:
+            return own
+        return own | ((header[:, 0, _STATUS] >> _INVALID_BIT) & 1).bool()
 
     # -- dispatch / combine -------------------------------------------------------------
 
-    def _validate(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        # Outside a graph the id range is checked on the host (one sync, as every
-        # dispatcher does); inside one it cannot be: plan() masks bad ids and flags them.
-        validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden, top_k=self.top_k,
-                         max_tokens=self.max_tokens, check_ids=not _capturing(x))
+    def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  spill: bool | None) -> Dispatched:
+        """Check the step with every rank (eager) or trust the captured shapes (graph), then run the passes.
 
-    def _run_passes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    spill: bool) -> Dispatched:
+        ``spill``: run the spill pass (None: let the status of every rank decide, eager only).
+        """
+        if _capturing(x):
+            # Inside a capture nothing is read on the host: shapes are checked here, once, at
+            # capture time (a rank failing this fails alone, as a setup error); bad ids are
+            # masked by plan() and flagged to every rank in the headers (see check_replay).
+            validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden, top_k=self.top_k,
+                             max_tokens=self.max_tokens, dtype=self.dtype, check_ids=False)
+            plan = self.plan(topk_ids, topk_weights)
+            return self._run_passes(x, plan, spill=bool(spill))
+        status = self.step.inspect(x, topk_ids, topk_weights)
+        plan = self.plan(topk_ids, topk_weights) if status.ok else None
+        if plan is not None:
+            status.words[MAX_COUNT] = plan.max_count
+        numeric = self.step.settle_gathered(self.peers.all_gather(status.words, what="step status exchange"))
+        largest = max(words[MAX_COUNT] for words in numeric)
+        self._before_exchange(largest)
+        return self._run_passes(x, plan, spill=largest > self.capacity if spill is None else spill)
+
+    def _before_exchange(self, largest: int) -> None:
+        """Eager mode, after every rank's status: the largest per-peer count of any rank."""
+
+    def _run_passes(self, x: torch.Tensor, plan: FixedPlan, spill: bool) -> Dispatched:
         x = x.contiguous()
-        plan = self.plan(topk_ids, topk_weights)
         if x.shape[0] == 0:
             x = x.new_zeros(1, x.shape[1])
         received = [self.exchange(self.pack(x, plan))]
         if spill and self.spill_rows > 0:
             received.append(self.exchange(self.compact(x, plan)))
         return self.unpack(plan, received, x)
+
+    def check_replay(self, dispatched: Dispatched) -> None:
+        """The host check after replaying a captured dispatch (one host read).
+
+        Raises what the eager path raises before the exchange, the same on every rank:
+        a ValueError naming the ranks whose expert ids were outside [-1, E) (the graph
+        treated them as masked), then :class:`CapacityOverflowError` when a per-peer count
+        did not fit the passes that ran. Also usable on an eager result (then it finds nothing).
+        """
+        state = dispatched.handle.state
+        flags = torch.cat([state["invalid_by_rank"].to(torch.int64), state["overflow"].to(torch.int64).view(1),
+                           state["largest_count"].to(torch.int64).view(1)]).tolist()
+        P = self.world_size
+        raise_for_flagged_ranks(
+            type(self).__name__, [bool(f) for f in flags[:P]],
+            f"topk_ids held ids outside [-1, {self.num_experts - 1}] (-1 = masked slot) in the replayed step; "
+            "the graph treated them as masked slots, so its result does not follow that routing")
+        if flags[P]:
+            raise self._overflow_error(flags[P + 1], sum(state["pass_rows"]))
+
+    def _overflow_error(self, largest: int, rows: int) -> CapacityOverflowError:
+        return CapacityOverflowError(
+            f"{type(self).__name__} overflow: a rank routed {largest} (token, slot) pairs to one peer, more than "
+            f"the {rows} rows per peer of the passes that ran; the rows past them were not delivered "
+            "(every rank raises this)")
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """Send expert outputs back along the dispatch's passes; ``y[T, H]`` via ``weighted_slot_sum``.
@@ -330,29 +421,31 @@ class MaxCountsDispatcher(_FixedBufferDispatcher):
     an overflowed step leaves the undelivered slots out.
     """
 
+    # Rows carry every sender's count (and bad-id flag) to every rank; with none, ranks could not agree.
+    _capacity_name = "capacity (C_max)"
+    _min_capacity = 1
+
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  group: dist.ProcessGroup | None = None, hidden: int | None = None,
-                 raise_on_overflow: bool = True):
-        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity < 1:
-            # Rows carry every sender's count to every rank; with none, ranks could not agree.
-            raise ValueError(f"capacity (C_max) must be an int >= 1, got {capacity}")
-        super().__init__(num_experts, capacity, max_tokens, top_k=top_k, spill_rows=0, group=group, hidden=hidden)
-        self.raise_on_overflow = raise_on_overflow
+                 raise_on_overflow: bool = True, dtype: torch.dtype | None = None, timeout: float | None = None):
+        super().__init__(num_experts, capacity, max_tokens, top_k=top_k, group=group, hidden=hidden, dtype=dtype,
+                         timeout=timeout, raise_on_overflow=raise_on_overflow)
+
+    def _set_options(self, raise_on_overflow) -> None:
+        self.raise_on_overflow = check_bool("raise_on_overflow", raise_on_overflow)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
-        self._validate(x, topk_ids, topk_weights)
-        dispatched = self._run_passes(x, topk_ids, topk_weights, spill=False)
-        if self.raise_on_overflow and not _capturing(x):
-            self._raise_if_overflow(dispatched)
-        return dispatched
+        return self._dispatch(x, topk_ids, topk_weights, spill=False)
 
-    def _raise_if_overflow(self, dispatched: Dispatched) -> None:
-        state = dispatched.handle.state
-        if bool(state["overflow"]):  # a host sync: eager mode only
-            raise CapacityOverflowError(
-                f"MaxCounts overflow: a rank routed {int(state['largest_count'])} (token, slot) pairs to one "
-                f"peer, more than capacity C_max={self.capacity}; the step was not delivered (every rank "
-                "raises this). Recalibrate C_max, or use CapAndSpillDispatcher, which spills instead")
+    def _before_exchange(self, largest: int) -> None:
+        if self.raise_on_overflow and largest > self.capacity:
+            raise self._overflow_error(largest, self.capacity)
+
+    def _overflow_error(self, largest: int, rows: int) -> CapacityOverflowError:
+        return CapacityOverflowError(
+            f"MaxCounts overflow: a rank routed {largest} (token, slot) pairs to one peer, more than capacity "
+            f"C_max={self.capacity}; the step was not delivered (every rank raises this). Recalibrate C_max, "
+            "or use CapAndSpillDispatcher, which spills instead")
 
 
 class CapAndSpillDispatcher(_FixedBufferDispatcher):
@@ -371,27 +464,34 @@ class CapAndSpillDispatcher(_FixedBufferDispatcher):
     two graphs, and replay the one the flag picks (see ``moekit.bench.capspill``).
     """
 
+    _spills = True
+
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
-                 conditional: bool = False, group: dist.ProcessGroup | None = None, hidden: int | None = None):
-        _check_sizes(capacity, max_tokens, top_k)
-        spill_rows = spill_capacity(max_tokens, top_k, capacity)
-        super().__init__(num_experts, capacity, max_tokens, top_k=top_k, spill_rows=spill_rows,
-                         group=group, hidden=hidden)
-        self.conditional = conditional
+                 conditional: bool = False, group: dist.ProcessGroup | None = None, hidden: int | None = None,
+                 dtype: torch.dtype | None = None, timeout: float | None = None):
+        super().__init__(num_experts, capacity, max_tokens, top_k=top_k, group=group, hidden=hidden, dtype=dtype,
+                         timeout=timeout, conditional=conditional)
+
+    def _set_options(self, conditional) -> None:
+        self.conditional = check_bool("conditional", conditional)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  spill: bool | None = None) -> Dispatched:
         """Dispatch; ``spill`` overrides the mode's choice of running the spill pass.
 
-        ``spill=None``: unconditional mode runs it, conditional mode asks every rank (an
-        all-reduce and a host sync). ``spill=False`` is for capturing the conditional
+        ``spill=None``: unconditional mode runs it, conditional mode runs it when any
+        rank has a per-peer count over C (known from the step statuses every rank
+        exchanges; no extra collective). ``spill=False`` is for capturing the conditional
         mode's no-spill graph: use it only when :meth:`spill_flag` said no rank
         overflows; otherwise ``handle.state["overflow"]`` reports the rows left behind.
         """
-        self._validate(x, topk_ids, topk_weights)
-        if spill is None:
-            spill = True if not self.conditional else bool(self.spill_flag(topk_ids))
-        return self._run_passes(x, topk_ids, topk_weights, spill=spill)
+        if spill is None and not self.conditional:
+            spill = True
+        if spill is None and _capturing(x):
+            raise ValueError("spill: a conditional CapAndSpillDispatcher cannot decide inside a CUDA graph; "
+                             "capture dispatch(..., spill=True) and dispatch(..., spill=False) and replay the one "
+                             "spill_flag picks")
+        return self._dispatch(x, topk_ids, topk_weights, spill=spill)
 
     def spill_flag(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """1 (int32, shape [1]) on every rank when any rank has a per-peer count over C, else 0.
@@ -406,9 +506,7 @@ class CapAndSpillDispatcher(_FixedBufferDispatcher):
         dest = torch.where(routed, torch.div(ids, self.experts_per_rank, rounding_mode="floor"), P)
         counts = torch.zeros(P + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, dest, torch.ones_like(dest))
         flag = (counts[:P] > self.capacity).any().to(torch.int32).reshape(1)
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return flag
+        return self.peers.all_reduce_max(flag, what="spill flag all-reduce")
 
 
 def _row_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -70,17 +70,21 @@ def validate_routing(
     hidden: int | None = None,
     top_k: int | None = None,
     max_tokens: int | None = None,
+    dtype: torch.dtype | None = None,
     check_ids: bool = True,
 ) -> None:
     """Raise ValueError naming the argument when the inputs of ``dispatch`` are malformed.
 
-    ``check_ids`` reads the id range back to the host; graph-captured paths pass False and
-    rely on an overflow/invalid flag instead.
+    ``check_ids`` reads the id range back to the host; the dispatchers pass False and check
+    the range with their peers instead (:mod:`moekit.ep.agreement`), or, inside a CUDA
+    graph, rely on a flag tensor.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [T, H], got {_describe(x)}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"x must have dtype {dtype} (the dispatcher's dtype), got {x.dtype}")
     T, H = x.shape
     if hidden is not None and H != hidden:
         raise ValueError(f"x must have hidden size H={hidden}, got {H}")
@@ -102,10 +106,16 @@ def validate_routing(
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; they must share a device")
     if check_ids and topk_ids.numel():
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_ids)).tolist())  # one host read
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(
-                f"topk_ids must be in [-1, {num_experts - 1}] (-1 = masked slot), got values in [{lo}, {hi}]"
-            )
+        problem = id_range_problem(num_experts, lo, hi)
+        if problem:
+            raise ValueError(problem)
+
+
+def id_range_problem(num_experts: int, lo: int, hi: int) -> str | None:
+    """What is wrong with expert ids spanning [lo, hi], or None when they are in [-1, E)."""
+    if lo < -1 or hi >= num_experts:
+        return f"topk_ids must be in [-1, {num_experts - 1}] (-1 = masked slot), got values in [{lo}, {hi}]"
+    return None
 
 
 def weighted_slot_sum(

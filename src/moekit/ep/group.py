@@ -14,21 +14,58 @@ returns the per-rank results:
 
 Results travel back to the parent pickled by value, so return tensors, numbers or dicts
 of them; keep them small.
+
+Failures are bounded. The parent watches every rank: a rank that raises sends its error
+back, a rank that dies (a crash, ``os._exit``, a signal) is seen through its process
+handle. After the first failure the other ranks get ``timeout`` seconds to finish or to
+fail on their own (a collective with a dead peer fails: gloo at once when the peer's
+sockets close, NCCL within the process group's timeout, which is ``timeout`` too); the ones
+still running then are stopped, and :class:`RankFailedError` reports what happened on every
+rank, the first failure first.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
+import sys
+import time
+import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moekit.ep.checks import check_timeout
+from moekit.ep.peers import PeerError
+
 LOCALHOST = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 300.0
+_STOP_GRACE_S = 5.0  # how long a rank that was asked to stop (SIGTERM) has before SIGKILL
+
+
+class RankFailedError(mp.ProcessRaisedException):
+    """One or more ranks of a :func:`launch` failed: raised, died, or were stopped.
+
+    ``failures``: rank -> one line saying what happened to it; ``results``: the results of
+    the ranks that finished (None elsewhere). The message ends with one summary line, the
+    first failure first, after the first failed rank's traceback (when it raised). A
+    subclass of torch's ``ProcessRaisedException``, so code that catches that keeps working.
+    """
+
+    def __init__(self, message: str, first_rank: int, first_pid: int, failures: dict[int, str],
+                 results: list[Any]):
+        super().__init__(message, first_rank, first_pid)
+        self.failures = failures
+        self.results = results
+
+    def __reduce__(self):
+        return (type(self), (self.msg, self.error_index, self.pid, self.failures, self.results))
 
 
 def default_backend(world_size: int) -> str:
@@ -45,51 +82,235 @@ def free_port() -> int:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-           timeout_s: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results by rank."""
-    if not isinstance(world_size, int) or world_size < 1:
+           timeout: float = DEFAULT_TIMEOUT_S, timeout_s: float | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results by rank.
+
+    ``fn`` must be importable by a fresh interpreter (a module-level function): the ranks
+    are spawned, not forked. Each rank has joined the default process group (``backend``:
+    gloo or NCCL, default :func:`default_backend`) before ``fn`` is called; under NCCL its
+    current CUDA device is ``cuda:rank``.
+
+    ``timeout`` (seconds): the process group's timeout (rendezvous and every collective
+    without a shorter bound of its own), and, once a rank has failed, how long the others
+    may take to finish or fail before they are stopped. ``timeout_s`` is its older name.
+
+    Raises :class:`RankFailedError` when any rank raised, died or had to be stopped;
+    ValueError for a bad ``world_size`` or ``timeout``.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    timeout = check_timeout(timeout if timeout_s is None else timeout_s)
+    if timeout is None:
+        raise ValueError("timeout must be a positive, finite number of seconds, got None")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return [_run_under_torchrun(fn, world_size, args, backend, timeout_s)]
+        return [_run_under_torchrun(fn, world_size, args, backend, timeout)]
     backend = backend or default_backend(world_size)
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+    store, port = _rendezvous_store(world_size, timeout)
+    ranks = []
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)  # one pipe per rank: a dying rank corrupts nothing shared
+            process = ctx.Process(target=_worker, name=f"moekit-rank-{rank}",
+                                  args=(rank, world_size, port, backend, timeout, fn, args, sender))
+            process.start()
+            sender.close()  # the parent keeps only the reading end, so a dead rank reads as EOF
+            ranks.append(_Rank(rank, process, receiver))
+        return _supervise(ranks, timeout)
+    finally:
+        for r in ranks:  # nothing outlives launch, whatever interrupted it
+            _stop(r.process)
+            r.receiver.close()
+        del store  # now, not whenever an exception's frame is collected: it closes its socket
+
+
+def _rendezvous_store(world_size: int, timeout: float):
+    """The rendezvous store, served from this process on a socket bound to 127.0.0.1 here
+    (so nothing listens on other interfaces, and no port is picked and then lost to a race)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         listener.bind((LOCALHOST, 0))
         listener.listen()
         port = listener.getsockname()[1]
-        # The store server runs in this process on the socket bound above; ranks connect to it.
         store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=True, wait_for_workers=False,
-                              master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout_s))
-        context = mp.start_processes(_worker, args=(world_size, port, backend, timeout_s, fn, args, queue),
-                                     nprocs=world_size, join=False, start_method="spawn")
-        results = _collect(context, queue, world_size)
-    del store
-    return results
+                              master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout))
+    except BaseException:
+        listener.close()
+        raise
+    # The store owns the socket from here on and closes it when it goes; closing it here too
+    # would close a descriptor number some later file may have been given.
+    listener.detach()
+    return store, port
 
 
-def _collect(context, queue, world_size: int) -> list[Any]:
-    # Drain the queue while the ranks run: a result larger than the pipe's buffer blocks
-    # its sender until read, so joining first would deadlock.
-    results: list[Any] = [None] * world_size
-    received = 0
-    while received < world_size:
-        if not queue.empty():
-            rank, payload = queue.get()
-            results[rank] = pickle.loads(payload)
-            received += 1
-        elif context.join(timeout=0.05):  # all exited (a failed rank raises here)
-            if queue.empty():
-                break
-    while not context.join():
-        pass
-    if received < world_size:
-        raise RuntimeError(f"only {received} of {world_size} ranks returned a result")
-    return results
+class _Rank:
+    """The parent's handle on one rank: its process, its result pipe, and what it reported."""
+
+    def __init__(self, rank: int, process, receiver):
+        self.rank, self.process, self.receiver = rank, process, receiver
+        # ("ok", result) | ("error", line, traceback, is_peer_error) | ("died", line) | ("stopped", line)
+        self.outcome: tuple | None = None
+        self.failed_at: float | None = None
+
+    def read(self) -> None:
+        """Take this rank's report from the pipe; a closed pipe with no report means it died."""
+        try:
+            kind, *payload = pickle.loads(self.receiver.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(_STOP_GRACE_S)
+            self.outcome = ("died", _death(self.process))
+        else:
+            self.outcome = (kind, *payload)
+        if self.outcome[0] != "ok":
+            self.failed_at = time.monotonic()
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, queue) -> None:
+def _supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
+    """Collect every rank's report; once one failed, give the others ``timeout`` s, then stop them.
+
+    A rank that reported its result still closes the group with the others; if that fails
+    (it exits non-zero), a peer never got there, which starts the same deadline.
+    """
+    pending = {r.rank: r for r in ranks}
+    closing = {}  # ranks that reported a result and have not exited yet
+    deadline: float | None = None
+    while pending:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        waitables = {}
+        for r in pending.values():
+            waitables[r.receiver] = r
+            waitables[r.process.sentinel] = r
+        for r in closing.values():
+            waitables[r.process.sentinel] = r
+        ready = multiprocessing.connection.wait(list(waitables), timeout=wait)
+        if not ready:  # the deadline passed
+            for r in pending.values():
+                _stop(r.process)
+                r.outcome = ("stopped", f"still running {timeout:g} s after another rank failed or gave up on "
+                                        "it; stopped")
+            break
+        for obj in ready:
+            r = waitables[obj]
+            if r.rank in closing:
+                r.process.join(_STOP_GRACE_S)
+                if not r.process.is_alive():
+                    del closing[r.rank]
+                    if r.process.exitcode and deadline is None:
+                        deadline = time.monotonic() + timeout
+                continue
+            if r.rank not in pending:
+                continue
+            if obj is r.receiver or r.receiver.poll():
+                r.read()
+            else:  # exited without writing a report
+                r.process.join(_STOP_GRACE_S)  # its sentinel fires before it can be reaped
+                r.outcome = ("died", _death(r.process))
+                r.failed_at = time.monotonic()
+            del pending[r.rank]
+            if r.outcome[0] == "ok":
+                closing[r.rank] = r
+            elif deadline is None:
+                deadline = r.failed_at + timeout
+    failed = [r for r in ranks if r.outcome[0] != "ok"]
+    # Successful ranks leave after a barrier; give them time to close cleanly (one shared
+    # allowance: with a failed peer their barrier cannot succeed, and launch stops them).
+    until = time.monotonic() + (_STOP_GRACE_S if failed else timeout)
+    for r in ranks:
+        if r.outcome[0] == "ok":
+            r.process.join(max(0.0, until - time.monotonic()))
+    results = [r.outcome[1] if r.outcome[0] == "ok" else None for r in ranks]
+    if not failed:
+        return results
+    raise _failure(ranks, failed, results)
+
+
+def _failure(ranks: list[_Rank], failed: list[_Rank], results: list[Any]) -> RankFailedError:
+    order = sorted(failed, key=lambda r: (_rank_of_cause(r), r.failed_at or float("inf"), r.rank))
+    first = order[0]
+    lines = {r.rank: _describe(r) for r in failed}
+    summary = (f"launch: {len(failed)} of {len(ranks)} ranks failed; "
+               + "; ".join(f"rank {r.rank}: {lines[r.rank]}" for r in order))
+    message = summary
+    raised = next((r for r in order if r.outcome[0] == "error"), None)
+    if raised is not None:  # the traceback of the first rank that raised
+        message = f"rank {raised.rank} raised:\n{raised.outcome[2].rstrip()}\n\n{summary}"
+    return RankFailedError(message, first.rank, first.process.pid or -1, lines, results)
+
+
+def _rank_of_cause(r: _Rank) -> int:
+    """Likely causes first: a rank that died, then one that raised on its own, then one
+    whose collective failed because of a peer, then one that had to be stopped."""
+    kind = r.outcome[0]
+    if kind == "died":
+        return 0
+    if kind == "error":
+        return 2 if r.outcome[3] else 1
+    return 3
+
+
+def _describe(r: _Rank) -> str:
+    kind = r.outcome[0]
+    if kind == "error":
+        return r.outcome[1]
+    if kind == "died":
+        return f"died without a result ({r.outcome[1]})"
+    return r.outcome[1]
+
+
+def _death(process) -> str:
+    code = process.exitcode
+    if code is None:
+        return "it closed its result pipe without a result and did not exit"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(process) -> None:
+    """End a rank that is still running: SIGTERM, then SIGKILL."""
+    if process.is_alive():
+        process.terminate()
+        process.join(_STOP_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
+            fn: Callable[..., Any], args: tuple, sender) -> None:
+    try:
+        result = _run_rank(rank, world_size, port, backend, timeout, fn, args)
+        # Plain pickle copies tensors by value; torch's pickler would share memory that
+        # dies with this process.
+        report = pickle.dumps(("ok", result))
+    except BaseException as error:  # noqa: BLE001 (everything goes back to the parent)
+        line = f"{type(error).__name__}: {error}".strip().splitlines()[0] if str(error) else type(error).__name__
+        # A PeerError is a consequence (a peer failed first): the parent lists causes first.
+        sender.send_bytes(pickle.dumps(("error", line, traceback.format_exc(), isinstance(error, PeerError))))
+        sender.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave at once: a peer may be stuck in a collective with us, and tearing the group
+        # down (or the interpreter's exit handlers) could block on it.
+        os._exit(1)
+    sender.send_bytes(report)
+    sender.close()
+    # Only on success, all ranks together: a gloo rank whose peer has already closed its
+    # sockets aborts. If a peer failed, this fails too, after the result was delivered:
+    # exit non-zero, which tells the parent a peer never arrived.
+    try:
+        _close_group()
+    except BaseException:  # noqa: BLE001
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout: float,
+              fn: Callable[..., Any], args: tuple) -> Any:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # rank-to-rank sockets stay on loopback
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     device_id = None
@@ -100,20 +321,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         # CPU ranks share the machine's cores: without a cap each would start one
         # intra-op thread per core and they would all fight over them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+    delta = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(LOCALHOST, port, world_size + 1, is_master=False, timeout=delta)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta,
                             device_id=device_id)
-    result = fn(rank, world_size, *args)
-    # Plain pickle copies tensors by value; torch's queue pickler would share memory
-    # that dies with this process.
-    queue.put((rank, pickle.dumps(result)))
-    # Only on success: after a failure, peers may be inside a collective and tearing the
-    # group down could block; the process exits and the parent reports the error.
-    _close_group()
+    return fn(rank, world_size, *args)
 
 
-def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout_s: float) -> Any:
+def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout: float) -> Any:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world}")
@@ -123,7 +338,7 @@ def _run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, t
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     result = fn(rank, world_size, *args)
     if created:  # a group we made, we take down, all ranks together (see _close_group)
         _close_group()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.ep.checks import check_int
 
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -19,9 +20,9 @@ class ExpertPlacement:
     world_size: int
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.num_experts < 1 or self.num_experts % self.world_size:
+        check_int("world_size", self.world_size, 1)
+        check_int("num_experts", self.num_experts, 1)
+        if self.num_experts % self.world_size:
             raise ValueError(
                 f"num_experts={self.num_experts} must be a positive multiple of world_size={self.world_size}"
             )

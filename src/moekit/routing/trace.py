@@ -23,16 +23,17 @@ metadata        str, 0-d                    a JSON object (``"{}"`` when empty)
 ==============  ==========================  =============================================
 
 Loading never runs code from the file: :meth:`RoutingTrace.load` uses
-``np.load(path, allow_pickle=False)`` and every problem with the file (not an npz, a
-missing key, wrong dims, ids out of range, an unknown version, object arrays) is reported
-as a ``ValueError`` that names the file and what is wrong.
+``np.load(path, allow_pickle=False)`` and every problem with the file (not a regular file,
+not an npz, a member whose bytes fail the archive's CRC or do not decompress, a missing
+key, wrong dtypes or dims, ids out of range, an unknown version, object arrays) is
+reported as a ``ValueError`` that names the file and what is wrong. Only a path that does
+not exist stays a ``FileNotFoundError``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,9 +146,17 @@ class RoutingTrace:
     def load(cls, path: str | os.PathLike) -> "RoutingTrace":
         """Read a trace written by :meth:`save`; a malformed file raises ``ValueError``."""
         where = os.fspath(path)
+        if os.path.isdir(where):
+            raise ValueError(f"{where}: is a directory, not a routing trace file (.npz)")
         # Open the file here (a missing file stays FileNotFoundError) so that it is closed
         # even when numpy gives up half-way through a corrupt archive.
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise ValueError(f"{where}: cannot be read as a routing trace ({err.strerror or err})") from None
+        with f:
             # Look at the signature first: numpy's own error for a non-archive file
             # suggests allow_pickle=True, which is exactly what must not be done here.
             magic = f.read(len(_ZIP_MAGIC))
@@ -157,14 +166,15 @@ class RoutingTrace:
                 raise ValueError(f"{where}: not a readable .npz routing trace ({kind})")
             try:
                 archive = np.load(f, allow_pickle=False)
-            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-                raise ValueError(f"{where}: not a readable .npz routing trace ({err})") from None
+            except Exception as err:  # noqa: BLE001 (whatever a broken archive raises, it is the file's fault)
+                raise ValueError(f"{where}: not a readable .npz routing trace ({_short(err)})") from None
             with archive:
                 try:
+                    _check_integrity(archive)
                     fields = _read_fields(archive)
                 except _FileProblem as problem:
                     raise ValueError(f"{where}: {problem}") from None
-                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+                except Exception as err:  # noqa: BLE001 (zlib.error, BadZipFile, numpy's header errors, ...)
                     raise ValueError(f"{where}: {_member_problem(err)}") from None
         problem = _find_problem(
             fields["topk_ids"], fields["topk_weights"], fields["num_experts"],
@@ -183,7 +193,25 @@ def _member_problem(err: Exception) -> str:
     """Why an archive member could not be read, without numpy's hint to unpickle."""
     if "pickle" in str(err) or "Object arrays" in str(err):
         return "a member is an object array (pickled data); traces are never unpickled"
-    return f"a member is corrupt or unreadable ({err})"
+    return f"a member is corrupt or unreadable ({_short(err)})"
+
+
+def _short(err: Exception) -> str:
+    """The error's type and first line, without numpy's hint to unpickle."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if "allow_pickle" in text:
+        text = "a member is an object array (pickled data); traces are never unpickled"
+    kind = type(err).__name__ if type(err).__module__ == "builtins" else f"{type(err).__module__}.{type(err).__name__}"
+    return f"{kind}: {text}" if text else kind
+
+
+def _check_integrity(archive: np.lib.npyio.NpzFile) -> None:
+    """Every member decompresses and matches its CRC. numpy reads only the bytes an array
+    needs and never reaches the CRC check at a member's end, so flipped bytes inside a
+    member could otherwise load as wrong values without any error."""
+    bad = archive.zip.testzip()
+    if bad is not None:
+        raise _FileProblem(f"member {bad!r} is corrupt (its bytes do not match the archive's CRC)")
 
 
 def _read_fields(archive: np.lib.npyio.NpzFile) -> dict:
@@ -199,14 +227,14 @@ def _read_fields(archive: np.lib.npyio.NpzFile) -> dict:
     if version != FORMAT_VERSION:
         raise _FileProblem(f"unsupported format version {version} (this moekit reads {FORMAT_VERSION})")
     # The weights' dtype is checked (not cast) by _find_problem before construction.
-    weights = archive["topk_weights"] if "topk_weights" in keys else None
+    weights = _array(archive, "topk_weights") if "topk_weights" in keys else None
     metadata_text = _scalar(archive, "metadata", str) if "metadata" in keys else "{}"
     try:
         metadata = json.loads(metadata_text)
     except json.JSONDecodeError as err:
         raise _FileProblem(f"'metadata' is not valid JSON ({err})") from None
     return {
-        "topk_ids": archive["topk_ids"],
+        "topk_ids": _array(archive, "topk_ids"),
         "num_experts": _scalar(archive, "num_experts", int),
         "topk_weights": weights,
         "name": _scalar(archive, "name", str) if "name" in keys else "",
@@ -214,9 +242,17 @@ def _read_fields(archive: np.lib.npyio.NpzFile) -> dict:
     }
 
 
+def _array(archive: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
+    """A member as an array (numpy hands back the raw bytes of a member that is not .npy)."""
+    value = archive[key]
+    if not isinstance(value, np.ndarray):
+        raise _FileProblem(f"member {key!r} is not a .npy array")
+    return value
+
+
 def _scalar(archive: np.lib.npyio.NpzFile, key: str, kind: type) -> Any:
     """A 0-d member as a Python int or str, or a _FileProblem saying why it is not one."""
-    value = archive[key]
+    value = _array(archive, key)
     if value.ndim != 0:
         raise _FileProblem(f"{key!r} must be a scalar, got shape {value.shape}")
     if kind is int and np.issubdtype(value.dtype, np.integer):

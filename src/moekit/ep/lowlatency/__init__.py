@@ -1,4 +1,4 @@
-"""The low-latency expert-parallel layer (seed 004): fixed double-buffered receive buffers,
+"""The low-latency expert-parallel layer: fixed double-buffered receive buffers,
 one copy of a token per destination rank, online FP8, per-phase traces.
 
 Importing this package needs neither CUDA nor Triton: the GPU transport

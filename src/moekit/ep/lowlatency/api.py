@@ -1,19 +1,31 @@
-"""``EPLowLatencyAllToAll``: the low-latency expert-parallel layer (seed 004, issue 6).
+"""``EPLowLatencyAllToAll``: the low-latency expert-parallel layer.
 
 Two APIs over one implementation:
 
 * the Dispatcher protocol of DESIGN.md — ``d = layer.dispatch(x, topk_ids, topk_weights)``
   returns a :class:`LowLatencyDispatched` (a :class:`~moekit.ep.Dispatched`) and
   ``layer.combine(expert_out, d)`` returns ``[T, H]``;
-* the seed's API — ``recv_token, recv_scale, counts, meta = layer.dispatch(x, topk_ids)``
+* the low-latency paper's API — ``recv_token, recv_scale, counts, meta = layer.dispatch(x, topk_ids)``
   (the result unpacks into those four) and
   ``layer.combine(expert_out, topk_ids, topk_weights, meta, zero_copy=False)``.
 
-Each call validates its arguments on the host before anything is sent (T > max_m, shapes,
-dtypes, devices; expert ids outside [-1, E) only outside CUDA-graph capture, since reading
-them is a host sync: inside a capture, out-of-range ids are treated as masked and
-``state["invalid_ids"]`` says so). A rank that raises does so before any communication;
-its peers then wait for it, so validate routing identically on every rank.
+Ranks fail together (:mod:`moekit.ep.agreement`). Building a layer checks once, in one
+small collective before the transport allocates anything, that every rank passed the same
+sizes, dtype, FP8 settings and device type. In ``dispatch``, what happens to a bad input
+(T > max_m, shapes, dtypes, devices, expert ids outside [-1, E)) depends on the transport:
+
+* a transport that carries step statuses (``exchanges_status``, the gloo transport): the
+  bad rank still takes part in the exchange with an empty, well-formed message carrying
+  its error, and every rank raises the same ValueError, naming the bad rank, after that
+  one exchange; the next step pairs up normally;
+* the symmetric-memory transport (GPU): arguments are validated on the host before
+  anything is sent, and a rank that raises does so alone; its peers then wait for it (the
+  process group's timeout bounds that). Carrying the error flag through its kernels, like
+  the bad-id flag below, is left to the two-GPU work on those kernels.
+
+Inside a CUDA-graph capture the ids cannot be read on the host: out-of-range ids are
+treated as masked and ``state["invalid_ids"]`` (this rank's flag, on the device) says so;
+:meth:`EPLowLatencyAllToAll.check_replay` is the host check after a replay.
 
 The transport moves the bytes: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` on CPU
 tensors, ``SymmMemTransport`` (``moekit.ep.lowlatency.cuda``, Triton over torch symmetric
@@ -30,10 +42,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from moekit.ep.agreement import StepCheck, agree_on_config, raise_for_flagged_ranks
+from moekit.ep.checks import check_bool
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta
 from moekit.ep.lowlatency.transport import (COMBINE_PHASES, DISPATCH_PHASES, END, POSTPROCESS, START, TOPK_REDUCE,
                                             Transport, new_stamps)
+from moekit.ep.peers import PeerGroup
 from moekit.perfetto import phase_events, trace_document, write_trace
 
 MAX_PROFILED_CALLS = 4096  # stamps kept per call type when profiling (the oldest are dropped)
@@ -70,7 +85,7 @@ class LowLatencyHandle(DispatchHandle):
 
 @dataclass
 class LowLatencyDispatched(Dispatched):
-    """A :class:`~moekit.ep.Dispatched` that also unpacks as the seed's 4-tuple:
+    """A :class:`~moekit.ep.Dispatched` that also unpacks as the low-latency paper's 4-tuple:
     ``recv_token, recv_scale, expert_recv_count, dispatch_meta = layer.dispatch(...)``.
 
     ``counts`` is int32 (the meta's), ``scales`` None when ``online_fp8=False``.
@@ -83,7 +98,7 @@ class LowLatencyDispatched(Dispatched):
 
 
 class EPLowLatencyAllToAll:
-    """Low-latency dispatch/combine for expert parallelism with online FP8 (seed 004).
+    """Low-latency dispatch/combine for expert parallelism with online FP8.
 
     ``max_m``: most tokens per rank per call; ``hidden``, ``topk``, ``num_experts``: the
     MoE shape (experts placed contiguously, ``E / world_size`` per rank); ``rank``,
@@ -93,6 +108,9 @@ class EPLowLatencyAllToAll:
     ``profile``: record per-phase timestamps for :meth:`dump_dispatch_trace` /
     :meth:`dump_combine_trace`. ``group``/``device``/``transport`` pick the process group,
     device and transport (default: the current device; symmetric memory on CUDA, gloo on CPU).
+    ``timeout``: seconds the gloo transport's exchanges wait for the peers before raising
+    :class:`~moekit.ep.PeerError` (None: the process group's timeout, which the GPU
+    transport always uses).
 
     Results live in buffers the layer reuses: the tokens, scales, counts and meta of a
     dispatch are valid until the next dispatch, and combine's output until the next
@@ -104,26 +122,35 @@ class EPLowLatencyAllToAll:
                  world_size: int | None = None, local_world_size: int | None = None, fp8_group_size: int = 128,
                  dtype: torch.dtype = torch.bfloat16, online_fp8: bool = True, profile: bool = False, *,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 transport: Transport | None = None):
-        distributed = dist.is_available() and dist.is_initialized()
-        group_rank = dist.get_rank(group) if distributed else 0
-        group_world = dist.get_world_size(group) if distributed else 1
-        rank = group_rank if rank is None else rank
-        world_size = group_world if world_size is None else world_size
-        if (rank, world_size) != (group_rank, group_world):
-            raise ValueError(f"rank={rank}, world_size={world_size} do not match the process group "
-                             f"(rank {group_rank} of {group_world})")
-        local_world_size = world_size if local_world_size is None else local_world_size
-        if not isinstance(profile, bool):
-            raise ValueError(f"profile must be a bool, got {profile!r}")
-        self.layout = LowLatencyLayout(max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, rank=rank,
-                                       world_size=world_size, local_world_size=local_world_size,
-                                       group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8)
+                 transport: Transport | None = None, timeout: float | None = None):
+        self.peers = PeerGroup(group, owner="EPLowLatencyAllToAll")
         self.group = group
-        self.device = torch.device(device) if device is not None else _default_device(group, distributed)
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.transport = transport if transport is not None else make_transport(self.layout, group, self.device)
+
+        def build() -> None:
+            self.peers.set_timeout(timeout)
+            group_rank, group_world = self.peers.rank, self.peers.world_size
+            my_rank = group_rank if rank is None else rank
+            world = group_world if world_size is None else world_size
+            if (my_rank, world) != (group_rank, group_world):
+                raise ValueError(f"rank={my_rank}, world_size={world} do not match the process group "
+                                 f"(rank {group_rank} of {group_world})")
+            check_bool("profile", profile)
+            self.layout = LowLatencyLayout(
+                max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, rank=my_rank, world_size=world,
+                local_world_size=world if local_world_size is None else local_world_size,
+                group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8)
+            self.device = _resolve_device(device, group, self.peers.distributed)
+
+        agree_on_config(self.peers, "EPLowLatencyAllToAll", dict(
+            max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, world_size=world_size,
+            local_world_size=local_world_size, fp8_group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8,
+            device_type=_device_type(device, group, self.peers.distributed), placement="contiguous",
+            transport="default" if transport is None else type(transport).__name__), build)
+        self.transport = transport if transport is not None else make_transport(self.layout, group, self.device,
+                                                                                timeout=self.peers.timeout)
+        L = self.layout
+        self.step = StepCheck("EPLowLatencyAllToAll", self.peers, L.num_experts, hidden=L.hidden, top_k=L.topk,
+                              max_tokens=L.max_m, dtype=L.dtype, device=self.device)
         self.profile = profile
         self._stamps: dict[str, collections.deque] = {
             "dispatch": collections.deque(maxlen=MAX_PROFILED_CALLS),
@@ -173,10 +200,22 @@ class EPLowLatencyAllToAll:
         if weights is None:  # the protocol's checks want weights: an unread stand-in of the right shape
             weights = torch.empty((), dtype=torch.float32, device=getattr(x, "device", None)).expand(T, K)
         capturing = isinstance(x, torch.Tensor) and _capturing(x)
+        invalid = None
+        if getattr(self.transport, "exchanges_status", False) and not capturing:
+            # Every rank's input is checked together, in the dispatch exchange itself.
+            status = self.step.inspect(x, topk_ids, weights)
+            if status.ok:
+                x, ids = x.contiguous(), topk_ids.to(torch.int32).contiguous()
+            else:  # an empty, well-formed step that carries the error to the peers
+                x = torch.empty(0, L.hidden, dtype=L.dtype, device=self.device)
+                ids = torch.empty(0, L.topk, dtype=torch.int32, device=self.device)
+            stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
+            recv = self.transport.dispatch(x, ids, stamps, status=status.words)
+            self.step.settle_gathered(recv.status)
+            return self._finish_dispatch(recv, ids, topk_weights, T, invalid, stamps)
         validate_routing(x, topk_ids, weights, L.num_experts, hidden=L.hidden, top_k=L.topk, max_tokens=L.max_m,
                          check_ids=not capturing)
         self._check_tensor("x", x, L.dtype)
-        invalid = None
         stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
         if hasattr(self.transport, "dispatch_unchecked"):  # the masking below, inside its dispatch kernel
             recv, ids, device_invalid = self.transport.dispatch_unchecked(
@@ -190,6 +229,11 @@ class EPLowLatencyAllToAll:
                 ids = torch.where(bad, -1, ids)
                 invalid = bad.any()
             recv = self.transport.dispatch(x.contiguous(), ids.contiguous(), stamps)
+        return self._finish_dispatch(recv, ids, topk_weights, T, invalid, stamps)
+
+    def _finish_dispatch(self, recv, ids: torch.Tensor, topk_weights: torch.Tensor | None, T: int,
+                         invalid: torch.Tensor | None, stamps: torch.Tensor | None) -> LowLatencyDispatched:
+        """Receiver side of dispatch: the expert-major bookkeeping and the fan-out."""
         self._stamp(stamps, POSTPROCESS, START)
         meta = self.transport.postprocess(recv)
         tokens, scales = self.transport.fan_out(recv, meta)
@@ -198,6 +242,19 @@ class EPLowLatencyAllToAll:
         state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid)
         return LowLatencyDispatched(tokens=tokens, counts=meta.counts, handle=LowLatencyHandle(meta, state),
                                     scales=scales, meta=meta)
+
+    def check_replay(self, dispatched: LowLatencyDispatched) -> None:
+        """The host check after replaying a captured dispatch (one host read): a ValueError
+        when this rank's ids held values outside [-1, E), which the graph treated as masked.
+
+        Only this rank's flag is known: the symmetric-memory kernels do not yet send it to
+        the peers (that belongs to the two-GPU work on them), so only the bad rank raises.
+        """
+        invalid = dispatched.handle.state["invalid_ids"]
+        if invalid is not None and bool(invalid):
+            raise_for_flagged_ranks("EPLowLatencyAllToAll", [True],
+                                    f"topk_ids held ids outside [-1, {self.num_experts - 1}] (-1 = masked slot) in "
+                                    "the replayed step; the graph treated them as masked slots")
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -208,11 +265,11 @@ class EPLowLatencyAllToAll:
 
         Either ``combine(expert_out, dispatched)`` (the Dispatcher protocol; routing as
         given to dispatch) or ``combine(expert_out, topk_ids, topk_weights, dispatch_meta)``
-        (the seed's). ``expert_out [E_local, world * max_m, H]`` in ``dtype``; only its
+        (the low-latency paper's). ``expert_out [E_local, world * max_m, H]`` in ``dtype``; only its
         valid rows are read. The slots are accumulated in float32 in slot order
         (DESIGN.md), so the result is bitwise that of every other dispatcher.
 
-        ``zero_copy`` is accepted for the seed's API and changes nothing here: the seed
+        ``zero_copy`` is accepted for the paper's API and changes nothing here: the paper's layer
         stages ``expert_out`` into a symmetric buffer first unless it is already there;
         this layer's put step reads ``expert_out`` wherever it lives and writes straight
         into the source rank's buffer, so there is no staging copy to skip.
@@ -266,7 +323,7 @@ class EPLowLatencyAllToAll:
     def dump_dispatch_trace(self, path: str | Path | None = None) -> Path:
         """Write the dispatch phases of every profiled call as Chrome/Perfetto trace JSON.
 
-        Default path: ``prof/ll_dispatch_RANK_{rank}.json`` (the seed's). Reads the stamps
+        Default path: ``prof/ll_dispatch_RANK_{rank}.json`` (the paper's). Reads the stamps
         back to the host: call it after the work, e.g. after a barrier.
         """
         return self._dump("dispatch", DISPATCH_PHASES, path)
@@ -383,8 +440,31 @@ def _default_device(group, distributed: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def make_transport(layout: LowLatencyLayout, group, device: torch.device) -> Transport:
-    """Symmetric memory (Triton) for CUDA devices, gloo collectives for the CPU."""
+def _resolve_device(device, group, distributed: bool) -> torch.device:
+    """The layer's device: ``device`` (a bare "cuda" is the current GPU) or the group's default."""
+    if device is None:
+        return _default_device(group, distributed)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be a torch.device or a device string, got {device!r} ({error})") from None
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _device_type(device, group, distributed: bool) -> str:
+    """The device type ranks must agree on (the index differs from rank to rank, by design)."""
+    try:
+        return _resolve_device(device, group, distributed).type
+    except (ValueError, RuntimeError, AssertionError):
+        return repr(device)
+
+
+def make_transport(layout: LowLatencyLayout, group, device: torch.device, *,
+                   timeout: float | None = None) -> Transport:
+    """Symmetric memory (Triton) for CUDA devices, gloo collectives for the CPU (``timeout``:
+    the gloo transport's bound on a wait for the peers)."""
     if device.type == "cuda":
         try:
             from moekit.ep.lowlatency.cuda import SymmMemTransport
@@ -398,4 +478,4 @@ def make_transport(layout: LowLatencyLayout, group, device: torch.device) -> Tra
         raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
     from moekit.ep.lowlatency.gloo import GlooTransport
 
-    return GlooTransport(layout, group, device)
+    return GlooTransport(layout, group, device, timeout=timeout)

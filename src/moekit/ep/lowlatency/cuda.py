@@ -28,8 +28,8 @@ sized from the compiled kernels' occupancy):
   still arriving: the K-slot float32 sum in slot order, compiled without FMA contraction so
   it is bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
 
-Merging the four kernels of b2ba722 (put and receive for each direction) into two removed
-the launch gaps between them under graph replay (docs/lowlatency.md has the numbers).
+Each direction is one kernel, not a put kernel and a receive kernel: under graph replay
+every extra launch leaves a gap between kernels (docs/lowlatency.md has the numbers).
 
 Double buffering and signals. A step's phase is ``epoch & 1`` where ``epoch`` lives on the
 device (one for dispatch, one for combine) and is advanced by the last program of the
@@ -64,15 +64,15 @@ DISPATCH_CTAS_PER_SM = 2  # 8 warps each
 COMBINE_CTAS_PER_SM = 4  # 4 warps each
 # The fan-out copy runs in each expert's own program unless the grid has at least this many
 # programs per local expert; then it is split into 8-row blocks over the whole grid, after a
-# grid barrier (the barrier costs ~4 µs, which one program per expert copying ~8 rows
-# (deepseek-v3, 128 local experts) does not win back; 16 local experts copying 256 rows each
-# win 30 µs: docs/lowlatency.md).
+# grid barrier. The barrier pays off only when each expert has many rows to copy (few local
+# experts); many local experts copying a few rows each do not win its cost back
+# (docs/lowlatency.md).
 SPLIT_COPY_BELOW = 4
 # Programs per token in the put loops, each storing a contiguous share of the token's
 # columns (whole FP8 groups), at most this many, and only as far as the shares fit the grid
 # the other part of the kernel needs anyway (``_dispatch_put_split``, ``_combine_put_split``):
-# one program quantizing and storing a whole 7168-column token took 3.5 µs of a 1-token
-# dispatch (docs/lowlatency.md).
+# at small T, one program per token would quantize and store a whole wide token alone while
+# the rest of the grid idles (docs/lowlatency.md).
 MAX_DISPATCH_PUT_SPLIT = 8
 MAX_COMBINE_PUT_SPLIT = 4
 _ALIGN = 256
@@ -138,7 +138,7 @@ def _fence_system():
     fence, being cumulative, then orders them all before whatever follows for observers on
     other GPUs (the grid-sync idiom: syncthreads, then one thread fences). One fence per CTA
     instead of one per thread: a system-scope fence waits for the stores to be acknowledged
-    across NVLink, and thousands of them cost tens of µs."""
+    across NVLink, and thousands of them would serialize on that wait."""
     tl.debug_barrier()
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p fence.acq_rel.sys; mov.u32 $0, 0; }",
@@ -158,8 +158,8 @@ def _region(base, offset, phase, phase_bytes, dtype: tl.constexpr):
 def _wait_all_sources(own_ptr, OFF_CNT, phase, epoch, W: tl.constexpr):
     """Spin until every source's arrival counter of this phase (raised by the peers' last
     programs) reached this step's value, with acquire semantics at system scope: use u of a
-    phase waits for u, which no earlier step can produce. (Polling with ld.acquire.sys
-    instead of an atomic measured the same or slower: docs/lowlatency.md.)"""
+    phase waits for u, which no earlier step can produce. (A plain ld.acquire.sys poll is
+    no faster than the atomic: docs/lowlatency.md.)"""
     cnt = (own_ptr + OFF_CNT).to(tl.pointer_type(tl.int64)) + phase * W
     expected = (epoch >> 1) + 1
     for s in tl.static_range(W):
@@ -343,8 +343,8 @@ def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, O
     with its scales, out of the receive buffer, BH columns at a time. What other programs of
     the kernel wrote is loaded through L2 (.cg). (Each column block's load waits for the
     previous block's store: the compiler cannot tell they do not alias. Loading the rows
-    whole, as one [rows, next_pow2(H)] register tile, made deepseek-v3's dispatch faster at
-    T = 8 but 1.5 µs slower at T = 128 and 256: docs/lowlatency.md.)"""
+    whole, as one [rows, next_pow2(H)] register tile, helps at small T and loses at large T:
+    docs/lowlatency.md.)"""
     rows = r0 + tl.arange(0, ROWS)
     valid = rows < count
     row0 = e * (W * M)
@@ -758,9 +758,8 @@ class SymmMemTransport:
         # barrier first).
         units = max(T * ps, L.experts_per_rank)
         split = L.experts_per_rank * SPLIT_COPY_BELOW <= min(units, self.sms * DISPATCH_CTAS_PER_SM)
-        # Rows per copy step: 16 in an expert's own program (as until 919e4c1: with 8 there,
-        # deepseek-v3's postprocess took 8.8-9.2 µs at c145d0e against 7.0-8.0 with 16);
-        # 8 per unit of the split copy.
+        # Rows per copy step: 16 in an expert's own program (8 there made postprocess slower:
+        # docs/lowlatency.md); 8 per unit of the split copy.
         kwargs.update(SPLIT_COPY=split, ROWS=8 if split else 16)
         grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps), DISPATCH_CTAS_PER_SM, units, args,
                                       kwargs)

@@ -4,8 +4,10 @@ transport, so the semantics are tested in CI.
 gloo has no symmetric memory and no list-form all-to-all, so each step is one
 ``all_to_all_single`` of fixed-size per-destination messages (equal splits):
 
-* dispatch: message to rank d = ``[T | ids (max_m x K) int32 | x rows | scales]`` as raw
-  bytes. Row t of x holds token t (FP8 via :func:`moekit.fp8.quantize_groups` when
+* dispatch: message to rank d = ``[T, step status | ids (max_m x K) int32 | x rows |
+  scales]`` as raw bytes. The step status (:mod:`moekit.ep.agreement`) rides in the same
+  collective, so a rank with bad input still sends a well-formed message (T = 0) that
+  tells every peer, and all ranks raise together after this one exchange. Row t of x holds token t (FP8 via :func:`moekit.fp8.quantize_groups` when
   ``online_fp8``) only if one of its experts lives on d; every other row is *poisoned* (NaN
   bytes), and ids rows past T hold one of d's own experts, so a receiver that reads a row
   it was not sent gets NaN or a wrong count, and the tests see it. Sending a fixed
@@ -25,9 +27,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moekit.ep.agreement import STATUS_WORDS
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, bits_view, destinations
 from moekit.ep.lowlatency.transport import (COPY_AND_PUT, COUNT_PUT, END, QUANT_AND_PUT, RECV_WAIT, START, WAIT,
                                             TransportDefaults, host_stamp)
+from moekit.ep.peers import PeerGroup
 from moekit.fp8 import quantize_groups
 
 _ALIGN = 16  # every segment of a message starts on a 16-byte boundary (so typed views work)
@@ -48,20 +52,25 @@ def _poison_bits(dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class GlooTransport(TransportDefaults):
-    """Transport over a gloo process group (or a plain copy when there is one rank and no group)."""
+    """Transport over a gloo process group (or a plain copy when there is one rank and no group).
+
+    ``timeout``: seconds an exchange waits for the peers before raising
+    :class:`~moekit.ep.PeerError` (None: the process group's timeout).
+    """
+
+    exchanges_status = True  # dispatch(..., status=) carries every rank's step status
 
     def __init__(self, layout: LowLatencyLayout, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", *, timeout: float | None = None):
         self.layout, self.group, self.device = layout, group, torch.device(device)
-        distributed = dist.is_available() and dist.is_initialized()
-        world = dist.get_world_size(group) if distributed else 1
-        rank = dist.get_rank(group) if distributed else 0
+        self.peers = PeerGroup(group, timeout, owner="EPLowLatencyAllToAll")
+        world, rank = self.peers.world_size, self.peers.rank
         if (world, rank) != (layout.world_size, layout.rank):
             raise ValueError(f"layout says rank {layout.rank} of {layout.world_size}, but the process group "
                              f"is rank {rank} of {world}")
         L = layout
-        # Message segments, in bytes: count, ids, x, scales.
-        self._count_bytes = _ALIGN
+        # Message segments, in bytes: count (int32) and step status (int64 words), ids, x, scales.
+        self._count_bytes = _ALIGN + STATUS_WORDS * 8
         self._ids_bytes = _aligned(L.max_m * L.topk * 4)
         self._x_bytes = _aligned(L.max_m * L.hidden * L.wire_dtype.itemsize)
         self._scale_bytes = _aligned(L.max_m * L.num_groups * 4) if L.online_fp8 else 0
@@ -77,24 +86,23 @@ class GlooTransport(TransportDefaults):
 
     # -- message segments (typed views of a [P, message_bytes] byte buffer) ------------------
 
-    def _segments(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _segments(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor | None]:
         L, P = self.layout, self.layout.world_size
         a = self._count_bytes
         b = a + self._ids_bytes
         c = b + self._x_bytes
         count = buf[:, :4].view(torch.int32).view(P)
+        status = buf[:, _ALIGN:a].view(torch.int64).view(P, STATUS_WORDS)
         ids = buf[:, a:a + L.max_m * L.topk * 4].view(torch.int32).view(P, L.max_m, L.topk)
         x = buf[:, b:b + L.max_m * L.hidden * L.wire_dtype.itemsize].view(L.wire_dtype).view(P, L.max_m, L.hidden)
         scales = None
         if L.online_fp8:
             scales = buf[:, c:c + L.max_m * L.num_groups * 4].view(torch.float32).view(P, L.max_m, L.num_groups)
-        return count, ids, x, scales
+        return count, status, ids, x, scales
 
-    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self.layout.world_size == 1:
-            out.copy_(inp)
-        else:
-            dist.all_to_all_single(out, inp, group=self.group)
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+        self.peers.all_to_all(out, inp, what=what)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -102,14 +110,17 @@ class GlooTransport(TransportDefaults):
 
     # -- dispatch --------------------------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None,
+                 status: torch.Tensor | None = None) -> RecvBuffers:
+        """The Transport's dispatch; ``status`` (``[STATUS_WORDS]`` int64, optional) is this
+        rank's step status, delivered to every rank as ``RecvBuffers.status``."""
         self._check_open()
         L = self.layout
         phase = self._dispatch_calls % 2
         self._dispatch_calls += 1
         T, P, M = x.shape[0], L.world_size, L.max_m
         send, recv = self._send[phase], self._recv[phase]
-        count, ids, xs, scales = self._segments(send)
+        count, status_out, ids, xs, scales = self._segments(send)
 
         host_stamp(stamps, QUANT_AND_PUT, START)
         if L.online_fp8:
@@ -133,13 +144,18 @@ class GlooTransport(TransportDefaults):
 
         host_stamp(stamps, COUNT_PUT, START)
         count.fill_(T)
-        self._exchange(recv, send)  # one collective carries tokens, ids and counts
+        if status is None:
+            status_out.zero_()
+        else:
+            status_out.copy_(status.view(1, STATUS_WORDS).expand(P, STATUS_WORDS))
+        self._exchange(recv, send, "dispatch exchange")  # one collective carries tokens, ids, counts and status
         host_stamp(stamps, COUNT_PUT, END)
 
         host_stamp(stamps, WAIT, START)  # gloo returned: everything has arrived
-        r_count, r_ids, r_x, r_scales = self._segments(recv)
+        r_count, r_status, r_ids, r_x, r_scales = self._segments(recv)
         host_stamp(stamps, WAIT, END)
-        return RecvBuffers(x=r_x, scales=r_scales, ids=r_ids, num_tokens=r_count)
+        return RecvBuffers(x=r_x, scales=r_scales, ids=r_ids, num_tokens=r_count,
+                           status=None if status is None else r_status)
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -156,7 +172,7 @@ class GlooTransport(TransportDefaults):
         rows = flat.index_select(0, meta.slot_row.clamp(min=0).view(-1)).view(P, M, K, H)
         serves = (meta.slot_row >= 0).unsqueeze(3)
         bits_view(send).copy_(torch.where(serves, rows, _poison_bits(L.dtype, send.device)))
-        self._exchange(recv, send)
+        self._exchange(recv, send, "combine exchange")
         host_stamp(stamps, COPY_AND_PUT, END)
 
         host_stamp(stamps, RECV_WAIT, START)

@@ -27,17 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.ep.checks import check_int
 from moekit.ep.dispatcher import weighted_slot_sum
 
 FP8_DTYPE = torch.float8_e4m3fn
 MAX_TOPK = 32  # slot_bits is an int32 bit mask
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -62,18 +57,18 @@ class LowLatencyLayout:
     online_fp8: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("max_m", self.max_m, 1)
-        _check_int("hidden", self.hidden, 1)
-        _check_int("topk", self.topk, 1, MAX_TOPK)
-        _check_int("world_size", self.world_size, 1)
-        _check_int("rank", self.rank, 0, self.world_size - 1)
-        _check_int("local_world_size", self.local_world_size, 1, self.world_size)
+        check_int("max_m", self.max_m, 1)
+        check_int("hidden", self.hidden, 1)
+        check_int("topk", self.topk, 1, MAX_TOPK)
+        check_int("world_size", self.world_size, 1)
+        check_int("rank", self.rank, 0, self.world_size - 1)
+        check_int("local_world_size", self.local_world_size, 1, self.world_size)
         if self.world_size % self.local_world_size:
             raise ValueError(f"local_world_size={self.local_world_size} must divide world_size={self.world_size}")
-        _check_int("num_experts", self.num_experts, 1)
+        check_int("num_experts", self.num_experts, 1)
         if self.num_experts % self.world_size:
             raise ValueError(f"num_experts={self.num_experts} must be a multiple of world_size={self.world_size}")
-        _check_int("group_size", self.group_size, 1)
+        check_int("group_size", self.group_size, 1)
         if self.online_fp8 and self.hidden % self.group_size:
             raise ValueError(f"hidden={self.hidden} must be a multiple of group_size={self.group_size} "
                              "(one FP8 scale per group of columns)")
@@ -128,12 +123,15 @@ class RecvBuffers:
     ``num_tokens [world]`` int32. Row (s, t) of ``x`` is valid iff t < num_tokens[s] and
     ids[s, t] names an expert of this rank; other rows are unspecified. These are views of
     the current phase's buffers, valid until that phase is reused (two dispatches later).
+    ``status [world, STATUS_WORDS]`` int64: every source's step status
+    (:mod:`moekit.ep.agreement`), from a transport that carries it, else None.
     """
 
     x: torch.Tensor
     scales: torch.Tensor | None
     ids: torch.Tensor
     num_tokens: torch.Tensor
+    status: torch.Tensor | None = None
 
 
 @dataclass

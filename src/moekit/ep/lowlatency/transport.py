@@ -52,6 +52,11 @@ class Transport(Protocol):
     # TOPK_REDUCE (e.g. the fan-out runs inside its receive kernel); the layer then leaves
     # those rows alone. Absent or False: the layer stamps them around the calls.
     # stamps_layer_phases: bool
+    # Optional attribute: True when dispatch takes ``status=`` (this rank's step status,
+    # ``[STATUS_WORDS]`` int64, see moekit.ep.agreement) and returns every rank's in
+    # ``RecvBuffers.status``; the layer then checks all ranks' inputs together, in the one
+    # exchange. Absent or False: the layer validates on the host before calling dispatch.
+    # exchanges_status: bool
     # Optional method dispatch_unchecked(x, topk_ids, num_experts, stamps) -> (RecvBuffers,
     # int32 ids, device bool): dispatch with ids of any int dtype, those outside [-1, E) treated
     # as -1 (returned masked), and whether there were any: what the layer needs under CUDA-graph
