@@ -8,4 +8,4 @@ lazily, inside ``run``, so that ``moekit --help`` stays fast and works without T
 from __future__ import annotations
 
 # The order is the order of ``moekit --help``.
-MODULES = ("demo", "trace", "bench", "tax")
+MODULES = ("demo", "trace", "bench", "tax", "ramp")

@@ -368,9 +368,12 @@ def predict_point(shape: MoEShape, counts, M: int, hw: Hardware, *, elem_bytes: 
         from moekit.kernels.configs import config_space
 
         space = config_space(shape, dtype=torch.float8_e4m3fn if elem_bytes == 1 else torch.bfloat16)
-    kappa = _cdiv(shape.intermediate, 64)
-    active = sum(1 for n in counts if n)
-    split_grid = min(active * _cdiv(shape.hidden, c.gemm2_bn) for c in space if c.form == "two_launch") if space else 0
+    kappa = _cdiv(shape.intermediate, 128 if elem_bytes == 1 else 64)  # the deepest chunking the space has
+    # The smallest GEMM2 grid the space can launch here: the fewest token blocks (bm = 128)
+    # times the fewest column tiles (the widest GEMM2 tile).
+    b128 = token_blocks(counts, 128)
+    widest = max((c.gemm2_bn for c in space if c.form == "two_launch"), default=64)
+    split_grid = b128 * _cdiv(shape.hidden, widest)
     split = kappa >= KAPPA_MIN and 0 < split_grid * 4 <= hw.sms
     return PointPrediction(group_m=lam > 1 and many_blocks, split_k=split, small_bm=waste >= SMALL_BM_WASTE,
                            waste64=waste, split_grid=split_grid)
@@ -390,7 +393,7 @@ def predict_modes(shape: MoEShape, hw: Hardware, elem_bytes: int = 2, routed_exp
 
     lam = l2_pressure(shape, hw, elem_bytes)
     space = config_space(shape, dtype=torch.float8_e4m3fn if elem_bytes == 1 else torch.bfloat16)
-    kappa = _cdiv(shape.intermediate, 64)
+    kappa = _cdiv(shape.intermediate, 128 if elem_bytes == 1 else 64)
     widest = max((c.gemm2_bn for c in space if c.form == "two_launch"), default=64)
     # One token's experts on this shard (an EP shard holds E of routed_experts experts).
     local = max(1, round(shape.top_k * shape.num_experts / (routed_experts or shape.num_experts)))

@@ -125,7 +125,15 @@ def device_model(model: CostModel, device: torch.device | str, capacity: int | N
             ints["split_fill"][r, k] = ln.split_fill
             ints["max_splits"][r, k] = ln.max_splits
         cfg[r], bm_index[r], bm[r] = i, BMS.index(c.bm), c.bm
-        coef[r] = model.variants[(i, path)].coef
+        v = model.variants[(i, path)]
+        coef[r] = v.coef
+        # The terms features() leaves at 0 for this variant's form contribute nothing here either.
+        if model.form.terms == 2:
+            coef[r, 2] = 0.0
+        if model.form.terms < 4 or not v.subwave:
+            coef[r, 3] = 0.0
+        if not model.form.traffic:
+            coef[r, 4:] = 0.0
     i32 = dict(dtype=torch.int32, device=device)
     return DeviceModel(
         torch.as_tensor(cfg, **i32), torch.as_tensor(bm_index, **i32), torch.as_tensor(direct, **i32),
