@@ -40,6 +40,9 @@ EVAL_BETAS = (1.0, 0.9, 0.75, 0.6, 0.45)
 EVAL_ZIPF = (1.2,)
 SKEWED = 0.8  # Table V's points: realized beta <= this
 GRAPH_M = (4, 16, 32)
+GRAPH_SECTION_S = 40.0  # what the graph section needs at most (3 token counts x 3 modes x 4 routings)
+FALLBACK_SHAPE_S = 45.0  # one fallback shape: a small compile pool and a few configs x its points
+SELECTOR_S = 10.0
 
 # The RaMP paper's numbers (H200, FP8, its CuTe kernel), as far as our copy of the text kept them.
 PAPER_TABLE_IV = {  # model: (E, 2N, H, max regret %); the mean column was lost (overall mean 0.93 %)
@@ -365,7 +368,7 @@ def fallback_shapes_section(timer_factory, specs: list[tuple], dtype: str, log) 
         shape = MoEShape(f"E{E}-K{K}-H{H}-N{N}", E, K, H, N)
         timer = timer_factory(shape)
         cands = templates(shape, hw, tdtype)
-        pts = [PointSpec(M, b, None, 101 + M, "fallback") for M in Ms for b in (1.0, 0.6)]
+        pts = [PointSpec(M, b, None, 101 + M, "fallback") for M in Ms for b in (1.0, 0.5)]
         chosen = set()
         for p in pts:
             r = make_routing(shape, E, p)
@@ -480,9 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         if model_path is None:
             raise ValueError(f"no model file for {shape.name} {dtype} on {hw0.key}: pass --profile or --model")
     model, _ = load_model(model_path, shape=shape, dtype=dtype, family=args.family)
+    # The evaluation's timing stops early enough to leave the graph, selector and fallback sections their time.
+    reserve = SELECTOR_S + (0 if args.no_graph or args.family != "token" else GRAPH_SECTION_S) \
+        + FALLBACK_SHAPE_S * len(args.fallback_shape)
+    eval_deadline = None if args.deadline_s is None else args.deadline_s - reserve - (time.perf_counter() - start)
     timer = ConfigTimer(TimerSpec(shape, routed, dtype, args.family, args.capacity, args.iters, 1, seed=args.seed,
-                                  deadline_s=None if args.deadline_s is None else args.deadline_s - (
-                                      time.perf_counter() - start)), log)
+                                  deadline_s=eval_deadline), log)
     from moekit.kernels.configs import default_config
     from moekit.ramp.fallback import templates
 
@@ -526,15 +532,28 @@ def main(argv: list[str] | None = None) -> int:
         layers = {"qwen3-30b-a3b": 48, "olmoe-1b-7b": 16, "mixtral-8x7b": 32}.get(shape.name, 61)
         ev["selector"] = selector_cost(selector, shape, [m for m in (1, 16, 256) if m], routed, layers) \
             if args.family == "token" else None
+        def left() -> float:
+            return math.inf if args.deadline_s is None else args.deadline_s - (time.perf_counter() - start)
+
         if not args.no_graph and args.family == "token":
-            try:
-                ev["graph"] = graph_section(selector, timer, shape, routed, args.graph_m)
-            except Exception as error:  # noqa: BLE001 - reported in the record, the rest is kept
-                ev["graph"] = {"error": f"{type(error).__name__}: {error}"}
+            if left() > GRAPH_SECTION_S:
+                try:
+                    ev["graph"] = graph_section(selector, timer, shape, routed, args.graph_m)
+                except Exception as error:  # noqa: BLE001 - reported in the record, the rest is kept
+                    ev["graph"] = {"error": f"{type(error).__name__}: {error}"}
+            else:
+                ev["graph"] = {"skipped": f"deadline: {left():.0f} s left"}
         specs = _fallback_specs(args)
         if specs:
-            factory = lambda s: ConfigTimer(TimerSpec(s, s.num_experts, dtype, "token", iters=args.iters, seed=args.seed), log)  # noqa: E731
-            ev["fallback_shapes"] = fallback_shapes_section(factory, specs, dtype, log)
+            # Few configs per shape, large weights: a small compile pool (each process holds the weights).
+            factory = lambda s: ConfigTimer(TimerSpec(s, s.num_experts, dtype, "token", iters=args.iters,  # noqa: E731
+                                                      seed=args.seed, compile_workers=4), log)
+            ev["fallback_shapes"] = {}
+            for spec in specs:
+                if left() < FALLBACK_SHAPE_S:
+                    ev["fallback_shapes"][str(spec[0])] = f"skipped: deadline ({left():.0f} s left)"
+                    continue
+                ev["fallback_shapes"] |= fallback_shapes_section(factory, [spec], dtype, log)
     device = torch.cuda.get_device_name() if timer.on_gpu else "CPU (Triton interpreter; numbers meaningless)"
     report = format_report(shape.name, ev, device)
     print(report)

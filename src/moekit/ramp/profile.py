@@ -74,7 +74,7 @@ def resolve_shape(name: str | None = None, *, experts: int | None = None, top_k:
             s = get_shape(name)
             s = MoEShape(s.name, s.num_experts, s.top_k, hidden or s.hidden, intermediate or s.intermediate)
             return s, routed_experts or s.num_experts
-        raise ValueError(f"shape must be one of {', '.join(MODELS + tuple(PRESETS))}, got {name!r}")
+        raise ValueError(f"shape must be one of {', '.join(dict.fromkeys(MODELS + tuple(PRESETS)))}, got {name!r}")
     dims = dict(experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate)
     missing = [k for k, v in dims.items() if v is None]
     if missing:
