@@ -312,7 +312,10 @@ def graph_section(selector, timer, shape, routed, m_values, t_eval=None, iters: 
     from moekit.ramp.graphs import GraphedMoE, conditional_nodes_available
     from moekit.ramp.profile import make_routing
 
+    from moekit.bench.timing import L2Flusher
+
     w13, w2, scales, _, _ = timer.weights()
+    flusher = L2Flusher(256 << 20, selector.device)  # cold L2, as the exhaustive timings
     out = {"conditional_nodes_available": conditional_nodes_available()}
     for M in m_values:
         g = torch.Generator(device=selector.device).manual_seed(M)
@@ -340,7 +343,7 @@ def graph_section(selector, timer, shape, routed, m_values, t_eval=None, iters: 
                 cfg = gm.configs[pos] if 0 <= pos < len(gm.configs) else selector.configs[gm.static]
                 want = fused_moe(x, w13, w2, ids, w, cfg, **scales)
                 diff = float((gm.out.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
-                samples = queue_cold(gm.graph.replay, iters=iters, warmup=2, flusher=None, device=selector.device)
+                samples = queue_cold(gm.graph.replay, iters=iters, warmup=2, flusher=flusher, device=selector.device)
                 torch.cuda.synchronize()
                 rows.append({"realized_beta": r.realized_beta, "choice": pos, "config_index": selector.configs.index(cfg),
                              "replay_us": float(np.median(samples())), "rel_diff_vs_eager": diff,
