@@ -220,7 +220,9 @@ if HAVE_TRITON:
         uc = tl.minimum(tl.maximum(u, 0.0), 1.0)
         return waves, G.to(tl.float32), _phi(uc, PHI)
 
-    @triton.jit
+    # The sizes change with every call; their value classes (== 1, multiples of 16) must not
+    # select a binary (one compile per model form and expert count, whatever M).
+    @triton.jit(do_not_specialize=["num_ids", "num_experts", "capacity", "M", "num_variants"])
     def _select_kernel(ids_ptr, num_ids, counts_ptr, num_experts, capacity, M,
                        bm_index_ptr, direct_ptr, bm_ptr, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, coef_ptr,
                        num_variants, out_ptr,
