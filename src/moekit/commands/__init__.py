@@ -8,7 +8,7 @@ lazily, inside ``run``, so that ``moekit --help`` stays fast and works without T
 from __future__ import annotations
 
 # The order is the order of ``moekit --help``.
-MODULES = ("demo", "trace", "bench", "tax", "dice", "lm")
+MODULES = ("demo", "trace", "bench", "tax", "ramp", "dice", "lm")
 
 
 def check_int(flag: str, value, low: int, high: int | None = None) -> None:

@@ -44,8 +44,14 @@ def run_lowlatency(args) -> int:
     return lowlatency_main(args.extra)
 
 
+def run_ramp(args) -> int:
+    from moekit.bench.ramp import main as ramp_main
+
+    return ramp_main(args.extra)
+
+
 # Benchmarks with a parser of their own: the top-level parser hands them the rest of argv.
-PASS_THROUGH = (run_capspill, run_kernel, run_lowlatency)
+PASS_THROUGH = (run_capspill, run_kernel, run_lowlatency, run_ramp)
 
 
 def register(sub) -> None:
@@ -84,3 +90,6 @@ def register(sub) -> None:
     bl = b.add_parser("lowlatency", add_help=False,
                       help="low-latency EP layer vs all-to-all vs all_to_all_vdev_2d (options: --help)")
     bl.set_defaults(func=run_lowlatency)
+    br = b.add_parser("ramp", add_help=False,
+                      help="RaMP's evaluation: routing-aware choice vs exhaustive, static and default (options: --help)")
+    br.set_defaults(func=run_ramp)

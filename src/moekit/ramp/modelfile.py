@@ -1,0 +1,217 @@
+"""Model files: a fitted :class:`~moekit.ramp.costmodel.CostModel` as plain JSON.
+
+A model file holds one shape's configurations and their coefficients on one GPU kind, for
+one precision and one kernel family, plus the hardware constants, how it was profiled and
+the environment (device name, torch / Triton versions, commit). Reading one never runs code
+from it (``json``); a malformed file, or one made for another shape, GPU, precision, family
+or configuration space, raises a ``ValueError`` that names the file and what is wrong.
+
+Files are found by :func:`find_model`: first in the directories of ``MOEKIT_RAMP_MODELS``
+(``os.pathsep``-separated; ``moekit ramp profile`` writes there), then among the files
+shipped in ``moekit/ramp/models/``. A file's name says what it is for
+(:func:`model_filename`): ``h200-bfloat16-token-E128-K8-H2048-N768.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moekit.kernels.configs import KernelConfig, config_space, fp8_config_error
+from moekit.ramp.costmodel import N_COEF, CostModel, ModelForm, Variant
+from moekit.ramp.dataset import config_from_record
+from moekit.ramp.regions import FAMILIES, Hardware
+from moekit.shapes import MoEShape
+
+FORMAT = "moekit-ramp-model"
+VERSION = 1
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn}
+PATHS = {"token": ("direct", "sorted"), "expert_major": ("stored", "aligned")}
+ENV_DIRS = "MOEKIT_RAMP_MODELS"
+SHIPPED = Path(__file__).resolve().parent / "models"
+
+
+def dtype_name(dtype) -> str:
+    """``bfloat16`` / ``float16`` / ``float8_e4m3fn`` for a torch dtype or one of those names
+    (``bf16``, ``fp16``, ``fp8`` accepted)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        name = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}.get(str(dtype), str(dtype))
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or bf16, fp16, fp8), got {dtype!r}")
+    return name
+
+
+def shape_key(shape: MoEShape) -> str:
+    return f"E{shape.num_experts}-K{shape.top_k}-H{shape.hidden}-N{shape.intermediate}"
+
+
+def model_filename(gpu: str, shape: MoEShape, dtype, family: str = "token") -> str:
+    return f"{gpu}-{dtype_name(dtype)}-{family}-{shape_key(shape)}.json"
+
+
+def config_record(c: KernelConfig) -> dict:
+    return asdict(c)
+
+
+def model_to_dict(model: CostModel, *, dtype, routed_experts: int | None = None, profile: dict | None = None,
+                  environment: dict | None = None) -> dict:
+    s = model.shape
+    return {
+        "format": FORMAT, "version": VERSION,
+        "shape": {"name": s.name, "num_experts": s.num_experts, "top_k": s.top_k, "hidden": s.hidden,
+                  "intermediate": s.intermediate, "routed_experts": routed_experts or s.num_experts},
+        "gpu": model.hardware.key, "hardware": model.hardware.to_dict(), "dtype": dtype_name(dtype),
+        "family": model.family, "capacity": model.capacity, "form": model.form.to_dict(),
+        "configs": [config_record(c) for c in model.configs],
+        "variants": [v.to_dict() for v in sorted(model.variants.values(), key=lambda v: (v.config, v.path))],
+        "profile": profile or {}, "environment": environment or {},
+    }
+
+
+def save_model(model: CostModel, path: str | Path, **meta) -> Path:
+    """Write ``model`` as JSON (``meta``: dtype, routed_experts, profile, environment)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model_to_dict(model, **meta), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def _need(d: dict, key: str, kind, where: str):
+    if not isinstance(d, dict) or key not in d:
+        raise ValueError(f"{where}: missing {key!r}")
+    v = d[key]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise ValueError(f"{where}: {key!r} must be an int, got {v!r}")
+    if kind is not int and not isinstance(v, kind):
+        raise ValueError(f"{where}: {key!r} must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+    return v
+
+
+def model_from_dict(d: dict, where: str = "model") -> tuple[CostModel, dict]:
+    """(the model, its metadata: dtype, routed_experts, profile, environment) of a parsed model
+    file; every field is checked, so a damaged file fails here and not at selection time."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a {FORMAT} file")
+    if d.get("version") != VERSION:
+        raise ValueError(f"{where}: version {d.get('version')!r}, this moekit reads version {VERSION}")
+    s = _need(d, "shape", dict, where)
+    try:
+        shape = MoEShape(str(_need(s, "name", str, where)), _need(s, "num_experts", int, where),
+                         _need(s, "top_k", int, where), _need(s, "hidden", int, where),
+                         _need(s, "intermediate", int, where))
+    except ValueError as error:
+        raise ValueError(f"{where}: bad shape: {error}") from None
+    routed = s.get("routed_experts", shape.num_experts)
+    dtype = dtype_name(_need(d, "dtype", str, where)) if d.get("dtype") in DTYPES else None
+    if dtype is None:
+        raise ValueError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}")
+    family = _need(d, "family", str, where)
+    if family not in FAMILIES:
+        raise ValueError(f"{where}: family must be one of {FAMILIES}, got {family!r}")
+    capacity = d.get("capacity")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"{where}: capacity must be null or an int >= 1, got {capacity!r}")
+    hw_d = _need(d, "hardware", dict, where)
+    try:
+        hw = Hardware(**hw_d)
+    except TypeError as error:
+        raise ValueError(f"{where}: bad hardware: {error}") from None
+    if hw.key != d.get("gpu"):
+        raise ValueError(f"{where}: gpu {d.get('gpu')!r} does not match its hardware {hw.key!r}")
+    for name in ("sms", "l2_bytes", "smem_per_sm", "smem_per_block", "regs_per_sm", "max_threads_per_sm",
+                 "max_ctas_per_sm"):
+        if not isinstance(getattr(hw, name), int) or getattr(hw, name) < 1:
+            raise ValueError(f"{where}: hardware {name} must be an int >= 1")
+    try:
+        form = ModelForm.from_dict(_need(d, "form", dict, where))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: bad form: {error}") from None
+    configs = []
+    for k, rec in enumerate(_need(d, "configs", list, where)):
+        try:
+            configs.append(config_from_record(rec))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: config {k}: {error}") from None
+    if not configs:
+        raise ValueError(f"{where}: no configs")
+    fp8 = dtype == "float8_e4m3fn"
+    for k, c in enumerate(configs):
+        if fp8 and fp8_config_error(c):
+            raise ValueError(f"{where}: config {k} cannot run FP8: {fp8_config_error(c)}")
+    variants = {}
+    for k, v in enumerate(_need(d, "variants", list, where)):
+        w = f"{where}: variant {k}"
+        i = _need(v, "config", int, w)
+        path = _need(v, "path", str, w)
+        coef = _need(v, "coef", list, w)
+        if not 0 <= i < len(configs):
+            raise ValueError(f"{w}: config index {i} outside [0, {len(configs)})")
+        if path not in PATHS[family]:
+            raise ValueError(f"{w}: path must be one of {PATHS[family]}, got {path!r}")
+        if len(coef) != N_COEF or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                          and math.isfinite(x) for x in coef):
+            raise ValueError(f"{w}: coef must be {N_COEF} finite numbers")
+        if (i, path) in variants:
+            raise ValueError(f"{w}: duplicate variant ({i}, {path})")
+        variants[(i, path)] = Variant(i, path, np.asarray(coef, dtype=np.float64), bool(v.get("subwave", False)),
+                                      int(v.get("n_points", 0)), float(v.get("rmse_us", 0.0)))
+    if not variants:
+        raise ValueError(f"{where}: no fitted variants")
+    model = CostModel(shape, hw, configs, form, variants, 1 if fp8 else 2, family, capacity)
+    meta = {"dtype": dtype, "routed_experts": routed, "profile": d.get("profile", {}),
+            "environment": d.get("environment", {})}
+    return model, meta
+
+
+def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | None = None, dtype=None,
+               family: str | None = None, check_space: bool = True) -> tuple[CostModel, dict]:
+    """Read a model file; with ``shape`` / ``gpu`` / ``dtype`` / ``family`` given, check that it
+    was made for them (E, K, H, N must agree; the name need not). ``check_space``: every config
+    must belong to today's ``config_space`` for the shape (a model of another kernel version
+    would otherwise choose a config this kernel does not offer)."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON model file ({error})") from None
+    model, meta = model_from_dict(d, str(path))
+    if shape is not None and shape_key(shape) != shape_key(model.shape):
+        raise ValueError(f"{path}: made for {shape_key(model.shape)}, not {shape_key(shape)}")
+    if gpu is not None and gpu != model.hardware.key:
+        raise ValueError(f"{path}: made for the GPU {model.hardware.key!r}, not {gpu!r}")
+    if dtype is not None and dtype_name(dtype) != meta["dtype"]:
+        raise ValueError(f"{path}: made for {meta['dtype']}, not {dtype_name(dtype)}")
+    if family is not None and family != model.family:
+        raise ValueError(f"{path}: made for the {model.family!r} kernels, not {family!r}")
+    if check_space:
+        space = set(config_space(model.shape, dtype=DTYPES[meta["dtype"]]))
+        foreign = [k for k, c in enumerate(model.configs) if c not in space]
+        if foreign:
+            raise ValueError(f"{path}: {len(foreign)} of its configs (first: index {foreign[0]}) are not in this "
+                             "kernel's config space; profile the shape again")
+    return model, meta
+
+
+def model_dirs() -> list[Path]:
+    """Where :func:`find_model` looks, in order."""
+    extra = [Path(p) for p in os.environ.get(ENV_DIRS, "").split(os.pathsep) if p]
+    return [*extra, SHIPPED]
+
+
+def find_model(shape: MoEShape, gpu: str, dtype, family: str = "token") -> Path | None:
+    """The first model file for (shape dims, gpu, dtype, family) in :func:`model_dirs`, or None."""
+    name = model_filename(gpu, shape, dtype, family)
+    for d in model_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None

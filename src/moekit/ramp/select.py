@@ -1,0 +1,524 @@
+"""Choosing the fused kernel's configuration from the live expert histogram.
+
+At run time the cost model is evaluated on the device: the histogram of ``topk_ids`` (or a
+dispatcher's ``counts``), every variant's CTA grids and cost, and the argmin, in one Triton
+kernel (:func:`choose_device`; a torch version of the same arithmetic runs where Triton does
+not). The host reads one int: the winning variant. :class:`Selector` caches that answer per
+forward step, keyed by the token count, so every MoE layer of a step after the first reuses it
+without a host read (the RaMP paper's per-step amortization).
+
+Step boundaries: ``select(..., layer=key)`` starts a new step when a layer key comes back (the
+model ran through its layers once); ``with selector.step():`` (or :func:`step` for every
+selector) marks one explicitly; outside both, every call selects afresh (one host read each).
+
+No model file for the shape and GPU: the selector falls back to the region analysis
+(:mod:`moekit.ramp.fallback`), with a one-time warning that says how to profile the shape.
+
+How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_moe`` and
+:func:`auto_config_expert_major` for ``fused_moe_expert_major`` / ``FusedExperts``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moekit.kernels.configs import KernelConfig
+from moekit.ramp.costmodel import PHIS, CostModel
+from moekit.ramp.fallback import fallback_choice, templates
+from moekit.ramp.modelfile import dtype_name, find_model, load_model, model_filename
+from moekit.ramp.regions import Hardware, hardware_for, launch_plan
+from moekit.shapes import MoEShape
+
+try:  # Triton is optional: without it the torch version of the selection runs.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = tl = None
+    HAVE_TRITON = False
+
+BMS = (16, 32, 64, 128)
+MAX_LAUNCHES = 2
+_FP8 = torch.float8_e4m3fn
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------- device tables
+
+
+@dataclass
+class DeviceModel:
+    """The variants of a :class:`CostModel` as flat tensors on one device (row = variant).
+
+    ``config`` [V] the config index, ``bm_index`` [V] the position of its bm in (16, 32, 64,
+    128), ``direct`` [V] 1 / 0 for the token path's direct / sorted variants (-1: always
+    valid, the expert-major family), ``bm`` [V]; per launch (up to two): ``per_block``,
+    ``slots``, ``split_fill``, ``max_splits`` [V, 2] (see :class:`moekit.ramp.regions.Launch`;
+    a missing launch has per_block 0); ``coef`` [V, 6] float32.
+    """
+
+    config: torch.Tensor
+    bm_index: torch.Tensor
+    direct: torch.Tensor
+    bm: torch.Tensor
+    per_block: torch.Tensor
+    slots: torch.Tensor
+    split_fill: torch.Tensor
+    max_splits: torch.Tensor
+    coef: torch.Tensor
+    wave_ceil: bool
+    ratio_waves: bool  # the 2-term form's wave feature: sum of G / S
+    phi: int  # index into PHIS
+    capacity: int  # 0: no clamp (token family)
+    rows: list[int]  # config index of every row, on the host
+
+    @property
+    def num_variants(self) -> int:
+        return self.config.shape[0]
+
+
+def device_model(model: CostModel, device: torch.device | str, capacity: int | None = None,
+                 configs: list[int] | None = None) -> DeviceModel:
+    """Flatten ``model`` for ``device``; ``configs``: only the variants of these config indices."""
+    device = torch.device(device)
+    keep = None if configs is None else set(configs)
+    rows = sorted(k for k in model.variants if keep is None or k[0] in keep)
+    if not rows:
+        raise ValueError("no fitted variant among the configs asked for")
+    cap = capacity if model.family == "expert_major" else None
+    if model.family == "expert_major" and cap is None:
+        cap = model.capacity
+    V = len(rows)
+    ints = {k: np.zeros((V, MAX_LAUNCHES), dtype=np.int64) for k in ("per_block", "slots", "split_fill", "max_splits")}
+    ints["slots"][:] = 1
+    ints["max_splits"][:] = 1
+    cfg, bm_index, direct, bm = (np.zeros(V, dtype=np.int64) for _ in range(4))
+    coef = np.zeros((V, 6), dtype=np.float64)
+    for r, (i, path) in enumerate(rows):
+        c = model.configs[i]
+        if model.family == "token":
+            M = 1 if path == "direct" else c.bm + 1
+            direct[r] = 1 if path == "direct" else 0
+        else:
+            M = 1
+            direct[r] = -1
+        plan = launch_plan(model.shape, c, M, model.hardware, elem_bytes=model.elem_bytes, family=model.family,
+                           capacity=cap)
+        if plan.path != path:
+            raise ValueError(f"variant ({i}, {path}) has no such path for this family: {plan.path}")
+        if len(plan.launches) > MAX_LAUNCHES:
+            raise ValueError(f"config {i} has {len(plan.launches)} launches; the selector takes {MAX_LAUNCHES}")
+        for k, ln in enumerate(plan.launches):
+            ints["per_block"][r, k] = ln.per_block
+            ints["slots"][r, k] = ln.slots
+            ints["split_fill"][r, k] = ln.split_fill
+            ints["max_splits"][r, k] = ln.max_splits
+        cfg[r], bm_index[r], bm[r] = i, BMS.index(c.bm), c.bm
+        v = model.variants[(i, path)]
+        coef[r] = v.coef
+        # The terms features() leaves at 0 for this variant's form contribute nothing here either.
+        if model.form.terms == 2:
+            coef[r, 2] = 0.0
+        if model.form.terms < 4 or not v.subwave:
+            coef[r, 3] = 0.0
+        if not model.form.traffic:
+            coef[r, 4:] = 0.0
+    i32 = dict(dtype=torch.int32, device=device)
+    return DeviceModel(
+        torch.as_tensor(cfg, **i32), torch.as_tensor(bm_index, **i32), torch.as_tensor(direct, **i32),
+        torch.as_tensor(bm, **i32), *(torch.as_tensor(ints[k], **i32).contiguous()
+                                       for k in ("per_block", "slots", "split_fill", "max_splits")),
+        torch.as_tensor(coef, dtype=torch.float32, device=device).contiguous(),
+        wave_ceil=model.form.wave == "ceil" and model.form.terms > 2, ratio_waves=model.form.terms == 2,
+        phi=PHIS.index(model.form.phi), capacity=cap or 0, rows=[int(i) for i in cfg])
+
+
+# ---------------------------------------------------------------- evaluation (torch)
+
+
+def histogram(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32 pairs per expert of ``topk_ids`` (-1 and out-of-range slots ignored); no sync."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, torch.where(valid, ids, 0), valid.to(torch.int64))
+    return counts.to(torch.int32)
+
+
+def costs_torch(dm: DeviceModel, counts: torch.Tensor, M: int) -> torch.Tensor:
+    """[V] float32 predicted µs of every variant for the histogram ``counts`` at ``M`` tokens
+    (inf where the variant's path is not the one fused_moe takes at M). The arithmetic of the
+    Triton kernel, in torch ops (no host sync)."""
+    n = counts.to(torch.int64).clamp(min=0)
+    if dm.capacity:
+        n = n.clamp(max=dm.capacity)
+    bms = torch.tensor(BMS, dtype=torch.int64, device=n.device)
+    blocks4 = ((n[None, :] + bms[:, None] - 1) // bms[:, None]).sum(1)
+    active = (n > 0).sum().to(torch.float32)
+    pairs = n.sum().to(torch.float32)
+    x = blocks4[dm.bm_index.long()]
+    tiles = x[:, None] * dm.per_block.long()
+    split = torch.where(dm.split_fill > 0,
+                        torch.minimum(torch.maximum(dm.split_fill.long() // tiles.clamp(min=1), torch.ones_like(tiles)),
+                                      dm.max_splits.long()), torch.ones_like(tiles))
+    G = tiles * split
+    S = dm.slots.long()
+    u = G.to(torch.float32) / S.to(torch.float32)
+    if dm.ratio_waves or not dm.wave_ceil:
+        waves = u
+    else:
+        waves = ((G + S - 1) // S).to(torch.float32)
+    uc = u.clamp(0.0, 1.0)
+    ph = torch.sqrt(uc) if dm.phi == 0 else torch.log2(1.0 + uc) if dm.phi == 1 else uc * (2.0 - uc)
+    c = dm.coef
+    cost = (c[:, 0] + c[:, 1] * waves.sum(1) + c[:, 2] * G.to(torch.float32).sum(1) + c[:, 3] * ph.sum(1)
+            + c[:, 4] * active + c[:, 5] * pairs)
+    valid = (dm.direct < 0) | ((dm.direct == 1) == (M <= dm.bm))
+    return torch.where(valid, cost, torch.full_like(cost, float("inf")))
+
+
+# ----------------------------------------------------------------- evaluation (Triton)
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _phi(u, PHI: tl.constexpr):
+        if PHI == 0:
+            return tl.sqrt(u)
+        elif PHI == 1:
+            return tl.log2(1.0 + u)
+        else:
+            return u * (2.0 - u)
+
+    @triton.jit
+    def _launch_terms(x, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, rows, k, valid, WAVE_CEIL: tl.constexpr,
+                      PHI: tl.constexpr):
+        """(waves, CTAs, phi) of launch k of the variants ``rows`` with ``x`` token blocks."""
+        per_block = tl.load(per_block_ptr + rows * 2 + k, mask=valid, other=0)
+        slots = tl.load(slots_ptr + rows * 2 + k, mask=valid, other=1)
+        fill = tl.load(fill_ptr + rows * 2 + k, mask=valid, other=0)
+        maxs = tl.load(maxs_ptr + rows * 2 + k, mask=valid, other=1)
+        tiles = x * per_block
+        split = tl.where(fill > 0, tl.minimum(tl.maximum(fill // tl.maximum(tiles, 1), 1), maxs), 1)
+        G = tiles * split
+        u = G.to(tl.float32) / slots.to(tl.float32)
+        if WAVE_CEIL:
+            waves = ((G + slots - 1) // slots).to(tl.float32)
+        else:
+            waves = u
+        uc = tl.minimum(tl.maximum(u, 0.0), 1.0)
+        return waves, G.to(tl.float32), _phi(uc, PHI)
+
+    # The sizes change with every call; their value classes (== 1, multiples of 16) must not
+    # select a binary (one compile per model form and expert count, whatever M).
+    @triton.jit(do_not_specialize=["num_ids", "num_experts", "capacity", "M", "num_variants"])
+    def _select_kernel(ids_ptr, num_ids, counts_ptr, num_experts, capacity, M,
+                       bm_index_ptr, direct_ptr, bm_ptr, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, coef_ptr,
+                       num_variants, out_ptr,
+                       FROM_IDS: tl.constexpr, EP: tl.constexpr, BLOCK_IDS: tl.constexpr, BLOCK_V: tl.constexpr,
+                       WAVE_CEIL: tl.constexpr, PHI: tl.constexpr):
+        """One program: the expert histogram (from ids, or the counts clamped to ``capacity``
+        when > 0), every variant's cost, the argmin (the first of equals). out[0] = the best
+        row (as a float32), out[1] = its cost."""
+        e = tl.arange(0, EP)
+        if FROM_IDS:
+            hist = tl.zeros((EP,), dtype=tl.int32)
+            start = 0
+            while start < num_ids:
+                offs = start + tl.arange(0, BLOCK_IDS)
+                ids = tl.load(ids_ptr + offs, mask=offs < num_ids, other=-1).to(tl.int32)
+                ok = (ids >= 0) & (ids < num_experts)
+                hist += tl.histogram(tl.where(ok, ids, 0), EP, mask=ok)
+                start += BLOCK_IDS
+            n = hist
+        else:
+            n = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
+            n = tl.maximum(n, 0)
+            if capacity > 0:
+                n = tl.minimum(n, capacity)
+        b16 = tl.sum((n + 15) // 16, 0)
+        b32 = tl.sum((n + 31) // 32, 0)
+        b64 = tl.sum((n + 63) // 64, 0)
+        b128 = tl.sum((n + 127) // 128, 0)
+        active = tl.sum((n > 0).to(tl.float32), 0)
+        pairs = tl.sum(n.to(tl.float32), 0)
+        best = tl.full((), float("inf"), tl.float32)
+        best_row = tl.full((), -1, tl.int32)
+        v0 = 0
+        while v0 < num_variants:
+            rows = v0 + tl.arange(0, BLOCK_V)
+            valid = rows < num_variants
+            bmi = tl.load(bm_index_ptr + rows, mask=valid, other=0)
+            x = tl.where(bmi == 0, b16, tl.where(bmi == 1, b32, tl.where(bmi == 2, b64, b128)))
+            w0, g0, p0 = _launch_terms(x, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, rows, 0, valid, WAVE_CEIL, PHI)
+            w1, g1, p1 = _launch_terms(x, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, rows, 1, valid, WAVE_CEIL, PHI)
+            c0 = tl.load(coef_ptr + rows * 6 + 0, mask=valid, other=0.0)
+            c1 = tl.load(coef_ptr + rows * 6 + 1, mask=valid, other=0.0)
+            c2 = tl.load(coef_ptr + rows * 6 + 2, mask=valid, other=0.0)
+            c3 = tl.load(coef_ptr + rows * 6 + 3, mask=valid, other=0.0)
+            c4 = tl.load(coef_ptr + rows * 6 + 4, mask=valid, other=0.0)
+            c5 = tl.load(coef_ptr + rows * 6 + 5, mask=valid, other=0.0)
+            cost = c0 + c1 * (w0 + w1) + c2 * (g0 + g1) + c3 * (p0 + p1) + c4 * active + c5 * pairs
+            direct = tl.load(direct_ptr + rows, mask=valid, other=0)
+            bm = tl.load(bm_ptr + rows, mask=valid, other=1)
+            path_ok = (direct < 0) | ((direct == 1) == (M <= bm))
+            cost = tl.where(valid & path_ok, cost, float("inf"))
+            chunk_best = tl.min(cost, 0)
+            chunk_row = (v0 + tl.argmin(cost, 0)).to(tl.int32)
+            take = chunk_best < best
+            best_row = tl.where(take, chunk_row, best_row)
+            best = tl.where(take, chunk_best, best)
+            v0 += BLOCK_V
+        tl.store(out_ptr, best_row.to(tl.float32))  # exact: rows < 2**24
+        tl.store(out_ptr + 1, best)
+
+
+BLOCK_IDS = 1024
+BLOCK_V = 128
+
+
+def choose_device(dm: DeviceModel, M: int, *, topk_ids: torch.Tensor | None = None,
+                  counts: torch.Tensor | None = None, num_experts: int | None = None,
+                  use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best row [0-dim int32], its predicted µs [0-dim float32]) on the device, no host sync:
+    from ``topk_ids`` [M, K] (with ``num_experts``) or ``counts`` [E]. ``use_triton`` None:
+    the Triton kernel where it compiles for the device (a CUDA device, or the interpreter)."""
+    if (topk_ids is None) == (counts is None):
+        raise ValueError("give exactly one of topk_ids and counts")
+    src = topk_ids if topk_ids is not None else counts
+    if use_triton is None:
+        use_triton = HAVE_TRITON and (src.is_cuda or _interpreting())
+    if topk_ids is not None and num_experts is None:
+        raise ValueError("num_experts is needed with topk_ids")
+    E = num_experts if topk_ids is not None else counts.shape[0]
+    if not use_triton:
+        n = histogram(topk_ids, E) if topk_ids is not None else counts
+        cost = costs_torch(dm, n, M)
+        row = torch.argmin(cost)
+        return row.to(torch.int32), cost[row]
+    out = torch.empty(2, dtype=torch.float32, device=src.device)
+    ids = topk_ids.reshape(-1).contiguous() if topk_ids is not None else out
+    cnt = counts.contiguous() if counts is not None else out
+    _select_kernel[(1,)](
+        ids, ids.numel() if topk_ids is not None else 0, cnt, E, dm.capacity, M,
+        dm.bm_index, dm.direct, dm.bm, dm.per_block, dm.slots, dm.split_fill, dm.max_splits, dm.coef,
+        dm.num_variants, out,
+        FROM_IDS=topk_ids is not None, EP=max(16, triton.next_power_of_2(E)), BLOCK_IDS=BLOCK_IDS,
+        BLOCK_V=BLOCK_V, WAVE_CEIL=dm.wave_ceil and not dm.ratio_waves, PHI=dm.phi, num_warps=4)
+    return out[0].to(torch.int32), out[1]
+
+
+# ------------------------------------------------------------------------ the selector
+
+
+class Selector:
+    """Chooses a :class:`KernelConfig` for one shape, precision and kernel family on one device.
+
+    ``model``: a fitted :class:`CostModel`, a model file path, or None to look one up
+    (:func:`moekit.ramp.modelfile.find_model` for the device's GPU); where none exists the
+    region-analysis fallback decides (``self.fallback`` True) and a warning says how to profile.
+    ``host_reads`` counts the values read back to the host (one per selection, none on a cache hit).
+    """
+
+    def __init__(self, shape: MoEShape, *, dtype=torch.bfloat16, device: torch.device | str | None = None,
+                 family: str = "token", model: CostModel | str | os.PathLike | None = None,
+                 hardware: Hardware | None = None, capacity: int | None = None, use_triton: bool | None = None,
+                 warn: bool = True):
+        self.shape = shape
+        self.dtype_name = dtype_name(dtype)
+        self.dtype = _FP8 if self.dtype_name == "float8_e4m3fn" else torch.bfloat16
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.family = family
+        self.capacity = capacity
+        self.hardware = hardware or hardware_for(device=self.device if self.device.type == "cuda" else None)
+        self.use_triton = use_triton
+        self.model_path = None
+        if model is None:
+            path = find_model(shape, self.hardware.key, self.dtype_name, family)
+            model = path
+        if isinstance(model, (str, os.PathLike)):
+            self.model_path = str(model)
+            model, _ = load_model(model, shape=shape, gpu=self.hardware.key, dtype=self.dtype_name, family=family)
+        self.model = model
+        self.fallback = model is None
+        if self.fallback:
+            self.configs = templates(shape, self.hardware, self.dtype)
+            if warn:
+                warnings.warn(profile_hint(shape, self.hardware.key, self.dtype_name, family), stacklevel=3)
+        else:
+            self.configs = model.configs
+        self._dm: DeviceModel | None = None
+        self.host_reads = 0
+        self._cache: dict = {}
+        self._seen: set = set()
+        self._explicit_step = 0
+        self._lock = threading.Lock()
+
+    # -- evaluation ---------------------------------------------------------------------
+
+    def device_model(self) -> DeviceModel:
+        if self._dm is None:
+            self._dm = device_model(self.model, self.device, self.capacity)
+        return self._dm
+
+    def choose_device(self, M: int, *, topk_ids=None, counts=None) -> torch.Tensor:
+        """The chosen config's index into ``self.configs`` as a 0-dim int32 device tensor: no
+        host sync (usable inside a CUDA graph). Needs a fitted model."""
+        if self.fallback:
+            raise ValueError("choose_device needs a fitted model; this selector uses the fallback")
+        dm = self.device_model()
+        row, _ = choose_device(dm, M, topk_ids=topk_ids, counts=counts, num_experts=self.shape.num_experts,
+                               use_triton=self.use_triton)
+        return dm.config.index_select(0, row.reshape(1).long())[0]
+
+    def choose(self, M: int, *, topk_ids=None, counts=None) -> KernelConfig:
+        """The configuration for this histogram (one host read)."""
+        self.host_reads += 1
+        if self.fallback:
+            n = histogram(topk_ids, self.shape.num_experts) if topk_ids is not None else counts
+            vals = n.cpu()
+            if self.capacity:
+                vals = vals.clamp(max=self.capacity)
+            return fallback_choice(self.shape, vals, M, self.hardware, self.dtype, self.configs)
+        dm = self.device_model()
+        row, _ = choose_device(dm, M, topk_ids=topk_ids, counts=counts, num_experts=self.shape.num_experts,
+                               use_triton=self.use_triton)
+        return self.configs[dm.rows[int(row.item())]]
+
+    # -- per-step cache -----------------------------------------------------------------
+
+    def new_step(self) -> None:
+        """Forget the cached choices: the next selection reads the routing again."""
+        with self._lock:
+            self._cache.clear()
+            self._seen.clear()
+
+    @contextlib.contextmanager
+    def step(self):
+        """Inside: one selection per token count for every call (one forward step)."""
+        self.new_step()
+        self._explicit_step += 1
+        try:
+            yield self
+        finally:
+            self._explicit_step -= 1
+            self.new_step()
+
+    def select(self, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+               M: int | None = None, layer=None) -> KernelConfig:
+        """:meth:`choose`, cached for the step: keyed by the token count ``M`` (``topk_ids``'
+        rows; for ``counts`` give M, or the capacity keys it). ``layer``: a key of the calling
+        layer; when it comes back, a new step has begun."""
+        if M is None:
+            M = topk_ids.shape[0] if topk_ids is not None else (self.capacity or 0)
+        caching = layer is not None or self._explicit_step > 0 or _GLOBAL_STEP.depth > 0
+        with self._lock:
+            if layer is not None:
+                if layer in self._seen:
+                    self._cache.clear()
+                    self._seen.clear()
+                self._seen.add(layer)
+            if _GLOBAL_STEP.depth > 0 and self._cache.get("_epoch") != _GLOBAL_STEP.epoch:
+                self._cache.clear()
+                self._cache["_epoch"] = _GLOBAL_STEP.epoch
+            hit = self._cache.get(M) if caching else None
+        if hit is not None:
+            return hit
+        config = self.choose(M, topk_ids=topk_ids, counts=counts)
+        if caching:
+            with self._lock:
+                self._cache[M] = config
+        return config
+
+
+def profile_hint(shape: MoEShape, gpu: str, dtype: str, family: str) -> str:
+    """The one-time warning of a selector without a model file."""
+    dt = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float16": "fp16"}[dtype]
+    fam = "" if family == "token" else f" --family {family}"
+    return (f"moekit.ramp: no fitted model for E={shape.num_experts} K={shape.top_k} H={shape.hidden} "
+            f"N={shape.intermediate} {dtype} on {gpu} ({model_filename(gpu, shape, dtype, family)}); the "
+            "configuration comes from the region analysis, which is slower than a fitted model. Profile it "
+            f"on this GPU (~10-25 min): moekit ramp profile --experts {shape.num_experts} --top-k {shape.top_k} "
+            f"--hidden {shape.hidden} --intermediate {shape.intermediate} --dtype {dt}{fam} --out-dir DIR, "
+            f"then export MOEKIT_RAMP_MODELS=DIR")
+
+
+# ------------------------------------------------------------ process-wide selectors
+
+
+class _Step:
+    def __init__(self):
+        self.depth = 0
+        self.epoch = 0
+
+
+_GLOBAL_STEP = _Step()
+_SELECTORS: dict[tuple, Selector] = {}
+_SELECTORS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def step():
+    """One forward step for every selector: inside, each chooses once per token count."""
+    _GLOBAL_STEP.epoch += 1
+    _GLOBAL_STEP.depth += 1
+    try:
+        yield
+    finally:
+        _GLOBAL_STEP.depth -= 1
+        _GLOBAL_STEP.epoch += 1
+
+
+def selector_for(E: int, K: int, H: int, N: int, *, dtype, device, family: str = "token",
+                 capacity: int | None = None) -> Selector:
+    """The process-wide selector of this shape, precision, family and device (made once; the
+    fallback's warning is given once per key)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (E, K, H, N, dtype_name(dtype), str(device), family, capacity)
+    with _SELECTORS_LOCK:
+        sel = _SELECTORS.get(key)
+        if sel is None:
+            shape = MoEShape("adhoc", E, K, H, N)
+            sel = _SELECTORS[key] = Selector(shape, dtype=dtype, device=device, family=family, capacity=capacity)
+    return sel
+
+
+def auto_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, layer=None) -> KernelConfig:
+    """``fused_moe(..., config="auto")``: the config for this call's routing (weights give the
+    shape and precision: FP8 weights select the FP8 model)."""
+    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
+    sel = selector_for(E, topk_ids.shape[1], H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16,
+                       device=topk_ids.device)
+    return sel.select(topk_ids=topk_ids, layer=layer)
+
+
+def auto_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Tensor, w2: torch.Tensor, *,
+                             top_k: int, layer=None) -> KernelConfig:
+    """``fused_moe_expert_major(..., config="auto")`` / ``FusedExperts(config="auto")``: the
+    config for a dispatcher's ``counts`` (one per local expert; ``top_k`` of the router)."""
+    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
+    sel = selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16, device=counts.device,
+                       family="expert_major", capacity=capacity)
+    return sel.select(counts=counts, M=capacity, layer=layer)
+
+
+def fused_moe_auto(x, w13, w2, topk_ids, topk_weights, *, layer=None, **kwargs):
+    """``fused_moe`` with the configuration :func:`auto_config` picks (what ``config="auto"``
+    will do once wired into the kernel's entry point)."""
+    from moekit.kernels import fused_moe
+
+    return fused_moe(x, w13, w2, topk_ids, topk_weights, auto_config(topk_ids, w13, w2, layer=layer), **kwargs)

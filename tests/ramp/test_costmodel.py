@@ -1,0 +1,107 @@
+"""The wave cost model: features, the least-squares fit recovers known coefficients, regret."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moekit.kernels.configs import KernelConfig, config_space
+from moekit.ramp import costmodel as cm
+from moekit.ramp.dataset import Point
+from moekit.shapes import MoEShape
+
+from .synthetic import align_subwave, grid, random_counts, synthetic_model, timings_from_model
+
+SHAPE = MoEShape("fit", num_experts=16, top_k=4, hidden=512, intermediate=256)
+
+
+def test_phi_is_concave_below_one_wave_and_flat_after():
+    u = np.linspace(0, 1, 101)
+    for kind in cm.PHIS:
+        f = cm.phi(u, kind)
+        assert f[0] == 0.0 and f[-1] == pytest.approx(1.0)
+        assert np.all(np.diff(f, 2) <= 1e-12), kind  # concave
+        assert np.all(np.diff(f) >= 0), kind  # increasing
+        assert cm.phi(3.0, kind) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="phi"):
+        cm.phi(0.5, "cube")
+
+
+def test_features_of_each_form():
+    grid_ = [(100, 132), (300, 264)]
+    f4 = cm.features(grid_, cm.ModelForm(), True, active=5, pairs=40)
+    assert f4.tolist() == pytest.approx([1, 1 + 2, 400, np.sqrt(100 / 132) + 1.0, 5, 40])
+    f3 = cm.features(grid_, cm.ModelForm(terms=3, traffic=False))
+    assert f3.tolist() == pytest.approx([1, 3, 400, 0, 0, 0])
+    f2 = cm.features(grid_, cm.ModelForm(terms=2, traffic=False))
+    assert f2.tolist() == pytest.approx([1, 100 / 132 + 300 / 264, 0, 0, 0, 0])
+    ratio = cm.features(grid_, cm.ModelForm(wave="ratio", traffic=False), False)
+    assert ratio[1] == pytest.approx(100 / 132 + 300 / 264) and ratio[3] == 0.0
+    with pytest.raises(ValueError, match="terms"):
+        cm.ModelForm(terms=5)
+
+
+def test_ols_recovers_coefficients_and_nonneg_is_the_constrained_optimum():
+    rng = np.random.default_rng(0)
+    X = np.column_stack([np.ones(40), rng.uniform(1, 9, 40), rng.uniform(0, 1e4, 40), rng.uniform(0, 1, 40),
+                         np.zeros(40), rng.uniform(0, 300, 40)])
+    true = np.array([12.0, 3.5, 0.02, 7.0, 0.0, 0.4])
+    y = X @ true
+    assert cm.ols(X, y) == pytest.approx(true, rel=1e-8, abs=1e-9)
+    assert cm.ols(X, y, 1 / y) == pytest.approx(true, rel=1e-8, abs=1e-9)
+    # A target that wants a negative coefficient: the constrained fit is >= 0 and no worse than
+    # any other non-negative vector tried at random.
+    y2 = X @ np.array([12.0, -3.0, 0.02, 7.0, 0.0, 0.4]) + 50
+    b = cm.ols(X, y2, nonneg=True)
+    assert np.all(b >= 0)
+    res = np.sum((X @ b - y2) ** 2)
+    for _ in range(200):
+        trial = np.abs(b + rng.normal(0, 0.1, 6) * (np.abs(b) + 1e-3))
+        trial[4] = 0
+        assert res <= np.sum((X @ trial - y2) ** 2) + 1e-6
+
+
+def test_fit_recovers_a_known_model_and_has_zero_regret():
+    rng = np.random.default_rng(1)
+    configs = config_space(SHAPE)[::9]
+    truth = synthetic_model(SHAPE, configs, rng, form=cm.ModelForm(weighting="ols", nonneg=False))
+    pts = grid(SHAPE, rng)
+    align_subwave(truth, pts)
+    t = timings_from_model(truth, pts)
+    for form in (cm.ModelForm(weighting="ols", nonneg=False), cm.ModelForm()):
+        fitted = cm.fit(t, truth.hardware, form)
+        assert set(fitted.variants) == set(truth.variants)
+        for p in pts:
+            assert fitted.predict(p.counts, p.M) == pytest.approx(truth.predict(p.counts, p.M), rel=1e-6)
+        r = cm.regret(fitted, t)
+        assert r.max == pytest.approx(0.0, abs=1e-9)
+    # With 2 % noise the fit is still close and picks near-best configs.
+    noisy = timings_from_model(truth, pts, noise=0.02, rng=rng)
+    r = cm.regret(cm.fit(noisy, truth.hardware), timings_from_model(truth, pts))
+    assert r.mean < 0.02
+
+
+def test_subwave_rule_uses_the_median_grid():
+    assert cm.subwave_rule([[(10, 100)], [(50, 100)], [(500, 100)]])
+    assert not cm.subwave_rule([[(10, 100)], [(150, 100)], [(500, 100)]])
+    assert not cm.subwave_rule([])
+
+
+def test_predict_is_nan_where_a_path_was_not_fitted_and_choose_picks_the_least():
+    rng = np.random.default_rng(2)
+    c16 = KernelConfig(bm=16, bn=64, bk=64, form="fused")
+    c64 = KernelConfig(bm=64, bn=64, bk=64, form="fused")
+    model = synthetic_model(SHAPE, [c16, c64], rng)
+    del model.variants[(0, "sorted")]  # bm 16 never profiled above 16 tokens
+    counts = random_counts(rng, 16, 40 * 4, 1.0)
+    pred = model.predict(counts, 40)
+    assert np.isnan(pred[0]) and np.isfinite(pred[1]) and model.choose(counts, 40) == 1
+    pred = model.predict(counts[:], 10)
+    assert model.choose(counts, 10) == int(np.argmin(pred))
+
+
+def test_timings_shape_is_checked():
+    from moekit.ramp.dataset import Timings
+
+    with pytest.raises(ValueError, match="times must be"):
+        Timings(SHAPE, 16, "bfloat16", [KernelConfig()], [Point(1, 1.0, 1.0, np.zeros(16))], np.zeros((2, 1)))

@@ -1,0 +1,92 @@
+"""Profiling end to end in Triton's interpreter on a tiny shape, and its pieces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moekit.ramp import profile as pf
+from moekit.ramp.modelfile import load_model
+from moekit.shapes import MoEShape
+
+
+def test_resolve_shape_presets_shards_and_dimensions():
+    s, routed = pf.resolve_shape("deepseek-v3-ep32")
+    assert (s.num_experts, s.top_k, s.hidden, s.intermediate, routed) == (32, 8, 7168, 2048, 256)
+    s, routed = pf.resolve_shape("deepseek-v3-tp8", hidden=64, intermediate=32)
+    assert (s.num_experts, s.hidden, s.intermediate, routed) == (256, 64, 32, 256)
+    s, routed = pf.resolve_shape(None, experts=6, top_k=2, hidden=128, intermediate=64, routed_experts=12)
+    assert (s.num_experts, routed) == (6, 12)
+    with pytest.raises(ValueError, match="missing: --hidden|hidden"):
+        pf.resolve_shape(None, experts=6, top_k=2)
+    with pytest.raises(ValueError, match="shape must be one of"):
+        pf.resolve_shape("gpt-5")
+
+
+def test_routing_is_cut_to_the_shard():
+    shape = MoEShape("shard", num_experts=4, top_k=2, hidden=64, intermediate=32)
+    r = pf.make_routing(shape, 16, pf.PointSpec(40, 0.7, None, 3))
+    assert r.ids.shape == (40, 2) and int(r.ids.max()) < 4
+    local = r.ids >= 0
+    assert torch.equal(r.weights == 0, ~local)
+    assert r.counts.tolist() == np.bincount(r.ids[local].numpy(), minlength=4).tolist()
+    z = pf.make_routing(shape, 4, pf.PointSpec(40, None, 1.5, 3))
+    assert z.counts.sum() == 80
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="family"):
+        pf.ProfileSpec(shape="olmoe-1b-7b", family="x")
+    with pytest.raises(ValueError, match="dtype must be bf16 or fp8"):
+        pf.ProfileSpec(shape="olmoe-1b-7b", dtype="fp16")
+    with pytest.raises(ValueError, match="betas"):
+        pf.ProfileSpec(shape="olmoe-1b-7b", betas=(1.5,))
+    with pytest.raises(ValueError, match="prune"):
+        pf.ProfileSpec(shape="olmoe-1b-7b", prune=0.9)
+
+
+@pytest.mark.parametrize("family", ["token", "expert_major"])
+def test_profile_writes_a_model_that_loads(tmp_path, family):
+    pytest.importorskip("triton")
+    spec = pf.ProfileSpec(experts=4, top_k=2, hidden=64, intermediate=32, family=family, capacity=8,
+                          m_values=(1, 12), betas=(1.0, 0.5), iters=1, config_stride=25)
+    rec = pf.profile(spec, tmp_path, log=lambda s: None)
+    shape = MoEShape("x", 4, 2, 64, 32)
+    model, meta = load_model(rec["model_file"], shape=shape, dtype="bf16", family=family)
+    t, tmeta = pf.load_timings(rec["timings_file"])
+    assert tmeta["family"] == family and len(t.points) == 4 and len(t.configs) == len(model.configs)
+    assert np.isfinite(t.times).all()  # every (config, point) ran and passed its check
+    assert meta["profile"]["points"] == 4
+    assert all(c.form == "two_launch" and c.split_k == 1 for c in model.configs) or family == "token"
+    json.loads(open(rec["record"]).read())
+
+
+def test_timings_file_errors(tmp_path):
+    bad = tmp_path / "t.json.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a moekit-ramp-timings"):
+        pf.load_timings(bad)
+    bad.write_text("plain")
+    with pytest.raises(ValueError, match="not gzip"):
+        pf.load_timings(bad)
+    with gzip.open(bad, "wt") as f:
+        f.write(json.dumps({"format": pf.TIMINGS_FORMAT, "version": pf.TIMINGS_VERSION, "shape": {}}))
+    with pytest.raises(ValueError, match="malformed timings"):
+        pf.load_timings(bad)
+
+
+def test_prune_keeps_every_config_near_a_best():
+    from moekit.ramp.dataset import Point, Timings
+    from moekit.kernels.configs import KernelConfig
+
+    shape = MoEShape("p", 4, 2, 64, 32)
+    cfgs = [KernelConfig(bm=b) for b in (16, 32, 64, 128)]
+    times = np.array([[10, 11, 30, 40], [20, 12, 14, 50]], dtype=float)
+    t = Timings(shape, 4, "bfloat16", cfgs, [Point(1, 1, 1, np.ones(4, int)), Point(2, 1, 1, np.ones(4, int))], times)
+    assert pf.prune_configs(t, 1.1) == [0, 1]
+    assert pf.prune_configs(t, 1.2) == [0, 1, 2]

@@ -1,0 +1,69 @@
+"""`moekit ramp ...` and `moekit bench ramp --from-timings` on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moekit.cli import main
+from moekit.kernels.configs import config_space
+from moekit.ramp.modelfile import model_filename, save_model
+from moekit.ramp.profile import save_timings
+from moekit.shapes import MoEShape
+
+from .synthetic import grid, synthetic_model, timings_from_model
+
+
+def test_regions_json(capsys):
+    assert main(["ramp", "regions", "--json", "--gpu", "h100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = {r["shape"]: r for r in out["shapes"]}
+    assert names["mixtral-8x7b"]["region"] == "B" and names["qwen3-30b-a3b"]["region"] == "A"
+    assert out["gpu"]["l2_bytes"] == 50 * 2**20
+
+
+def test_regions_text_and_errors(capsys):
+    assert main(["ramp", "regions", "--shape", "olmoe-1b-7b"]) == 0
+    assert "olmoe-1b-7b" in capsys.readouterr().out
+    assert main(["ramp", "regions", "--shape", "gpt-9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit: error: shape must be one of") and err.count("\n") == 1
+
+
+def test_show_and_offline_evaluation(tmp_path, capsys):
+    shape = MoEShape("cli", num_experts=8, top_k=2, hidden=256, intermediate=128)
+    rng = np.random.default_rng(0)
+    truth = synthetic_model(shape, config_space(shape)[::25], rng)
+    mpath = save_model(truth, tmp_path / model_filename("h200", shape, "bf16"), dtype="bf16")
+    assert main(["ramp", "show", str(mpath)]) == 0
+    assert "E=8 K=2 H=256 N=128" in capsys.readouterr().out
+    pts = grid(shape, rng, Ms=(2, 30, 300))
+    for k, p in enumerate(pts):
+        p.beta = 1.0 if k % 5 == 0 else 0.6
+        p.label = "eval"
+    t = timings_from_model(truth, pts, noise=0.01, rng=rng)
+    t.baseline = t.best() * 2
+    tpath = save_timings(t, tmp_path / "eval-timings.json.gz")
+    prof = save_timings(timings_from_model(truth, grid(shape, rng, Ms=(1, 16, 64, 256, 2048))),
+                        tmp_path / "profile-timings.json.gz")
+    assert main(["bench", "ramp", "--from-timings", str(tpath), "--profile-timings", str(prof), "--model",
+                 str(mpath), "--out-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "Table IV" in out and "Table V" in out and "Ablation" in out
+    rec = json.loads(next((tmp_path / "out").glob("ramp-eval-*.json")).read_text())
+    assert rec["results"]["regret_max"] < 0.05  # the true model, timings with 1 % noise
+    assert (tmp_path / "out").glob("ramp-eval-*.png")
+
+
+def test_profile_needs_a_shape(capsys):
+    assert main(["ramp", "profile", "--experts", "4"]) == 2
+    assert "give --shape NAME or all of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["ramp"], ["ramp", "regions", "--gpu", "a100"]])
+def test_usage_errors_exit_nonzero(args):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code != 0
