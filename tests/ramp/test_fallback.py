@@ -13,8 +13,8 @@ from moekit.ramp import fallback as fb
 from moekit.ramp.regions import HARDWARE
 from moekit.shapes import MoEShape
 
-DATASET = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200-kernel-51b074d"
-           / "kernel-cpu-0x-20261123T053014Z-table.json.gz")
+DATASET = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernel-nvidia-h200"
+           / "kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])

@@ -4,7 +4,7 @@ Per configuration c (and per addressing path, see below), for the expert histogr
 
     t_c(h) = alpha_c + beta_c * W(h) + gamma_c * G(h) + delta_c * phi(G(h) / S)
 
-summed over the launches of one call (:func:`moekit.ramp.regions.launch_plan`): ``G`` is the
+summed over the launches of one call (:func:`moekit.ramp.regions.grid_plan`): ``G`` is the
 launch's CTA grid from the histogram (Eq. 1), ``S`` its resident slots, ``W`` its wave count.
 
 * ``alpha``: startup -- launches, pipeline fill, the alignment -- whatever the grid.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moekit.kernels.configs import KernelConfig
-from moekit.ramp.regions import FAMILIES, Hardware, LaunchPlan, launch_plan, token_blocks
+from moekit.ramp.regions import FAMILIES, Hardware, GridPlan, grid_plan, token_blocks
 from moekit.shapes import MoEShape
 
 PHIS = ("sqrt", "log", "quad")
@@ -219,12 +219,12 @@ class CostModel:
     capacity: int | None = None
     _plans: dict = field(default_factory=dict, repr=False)
 
-    def plan(self, i: int, M: int) -> LaunchPlan:
+    def plan(self, i: int, M: int) -> GridPlan:
         c = self.configs[i]
         path_key = (i, "direct" if (self.family == "token" and M <= c.bm) else "other")
         plan = self._plans.get(path_key)
         if plan is None:
-            plan = self._plans[path_key] = launch_plan(self.shape, c, M, self.hardware, elem_bytes=self.elem_bytes,
+            plan = self._plans[path_key] = grid_plan(self.shape, c, M, self.hardware, elem_bytes=self.elem_bytes,
                                                        family=self.family, capacity=self.capacity)
         return plan
 

@@ -26,7 +26,7 @@ import math
 import torch
 
 from moekit.kernels.configs import KernelConfig, config_space
-from moekit.ramp.regions import Hardware, launch_plan, predict_modes, token_blocks
+from moekit.ramp.regions import Hardware, grid_plan, predict_modes, token_blocks
 from moekit.shapes import MoEShape
 
 LAUNCH_US = 3.0  # one kernel launch inside a call, with its tail (measured 2-4 µs on an H200 in graphs)
@@ -78,7 +78,7 @@ def templates(shape: MoEShape, hw: Hardware, dtype: torch.dtype = torch.bfloat16
 def estimate_us(shape: MoEShape, config: KernelConfig, counts, M: int, hw: Hardware, elem_bytes: int = 2) -> float:
     """An analytic time of one call (µs) from hardware constants and the histogram."""
     c = config
-    plan = launch_plan(shape, c, M, hw, elem_bytes=elem_bytes)
+    plan = grid_plan(shape, c, M, hw, elem_bytes=elem_bytes)
     x = token_blocks(counts, c.bm)
     vals = counts.tolist() if hasattr(counts, "tolist") else list(counts)
     active = sum(1 for n in vals if n > 0)

@@ -3,7 +3,7 @@
 Everything here follows from the shape, a :class:`~moekit.kernels.KernelConfig`, the expert
 histogram and hardware constants alone -- no timing. It gives
 
-* the **CTA grid** of every launch of one call (:func:`launch_plan`, :func:`grids`): the RaMP
+* the **CTA grid** of every launch of one call (:func:`grid_plan`, :func:`grids`): the RaMP
   paper's Eq. 1, ``G = sum_e ceil(n_e / bm) * N-tiles * split_k``, per launch of this kernel
   (two_launch runs GEMM1 and GEMM2; the fused form one launch; the decode schedule one
   persistent launch whose two phases walk work units), each with its resident slots ``S``
@@ -15,11 +15,11 @@ histogram and hardware constants alone -- no timing. It gives
 * the **predicted modes** of a shape (:func:`predict_modes`): tile only, + GROUP_M, + split-K,
   small token blocks under skew.
 
-The grid mirrors the kernels' launch code (``moekit.kernels.fused_moe._run`` and
-``_run_persistent``, ``moekit.kernels.expert_major._run_stored``): direct addressing when
+The grid mirrors the kernels' launch code (``moekit.kernels.launch.run_blocks`` and
+``run_persistent``, ``moekit.kernels.expert_major._run_stored``): direct addressing when
 ``M <= bm`` (one block per named expert), the alignment's blocks otherwise; blocks past the
-real count exit at once and are not counted. The kernels' plan constants are mirrored in
-:data:`KERNEL_PLAN` (a test checks them against the kernel modules).
+real count exit at once and are not counted. The launch choices (CTAs per SM, reduction
+shares) are the kernels' default ``LaunchPlan``, :data:`KERNEL_PLAN`.
 
 Where the paper's copy lost a symbol or a threshold, the choice made here is in docs/ramp.md.
 """
@@ -33,20 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from moekit.kernels.configs import HOPPER_SMEM_PER_BLOCK, KernelConfig
+from moekit.kernels.plan import LaunchPlan as KernelLaunchPlan
 from moekit.shapes import MoEShape
 
 FAMILIES = ("token", "expert_major")  # fused_moe after a router; fused_moe_expert_major after a dispatcher
 TOKEN_BLOCKS = (16, 32, 64, 128)
 
-# The kernels' launch-plan constants (moekit.kernels: fused_moe.PERSISTENT_CTAS_PER_SM,
-# PERSISTENT_MAX_SPLITS, DECODE_CTAS_PER_SM; expert_major.EM_CTAS_PER_SM). Mirrored, not
-# imported, so the grid can be computed without Triton; tests/ramp checks they still agree.
-KERNEL_PLAN = {
-    "PERSISTENT_CTAS_PER_SM": 2,
-    "PERSISTENT_MAX_SPLITS": 8,
-    "DECODE_CTAS_PER_SM": 2,
-    "EM_CTAS_PER_SM": 4,
-}
+# The kernels' own launch choices (their defaults): the grids below follow them.
+KERNEL_PLAN = KernelLaunchPlan()
 
 # Registers of a CTA's thread besides its fp32 accumulators (addresses, pipelined operand
 # fragments, loop state). An estimate: the compiled kernel's count is only known on the GPU.
@@ -195,7 +189,7 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class GridPlan:
     """The launches of one call of ``config`` at a token count: its ``path`` (``direct`` /
     ``sorted`` for fused_moe, ``stored`` / ``aligned`` for the expert-major kernels), the
     token block ``bm`` whose blocks drive the grids, and the launches."""
@@ -214,8 +208,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def decode_column_tile(H: int, hw: Hardware) -> int:
-    """The decode schedule's GEMM2 column tile (fused_moe._decode_column_tile)."""
-    return 64 if _cdiv(H, 32) > KERNEL_PLAN["DECODE_CTAS_PER_SM"] * hw.sms else 32
+    """The decode schedule's GEMM2 column tile (as the kernels' launch planning picks it)."""
+    return 64 if _cdiv(H, 32) > KERNEL_PLAN.decode_ctas_per_sm * hw.sms else 32
 
 
 def token_path(config: KernelConfig, M: int) -> str:
@@ -224,8 +218,8 @@ def token_path(config: KernelConfig, M: int) -> str:
     return "direct" if M <= config.bm else "sorted"
 
 
-def launch_plan(shape: MoEShape, config: KernelConfig, M: int, hw: Hardware, *, elem_bytes: int = 2,
-                family: str = "token", capacity: int | None = None) -> LaunchPlan:
+def grid_plan(shape: MoEShape, config: KernelConfig, M: int, hw: Hardware, *, elem_bytes: int = 2,
+                family: str = "token", capacity: int | None = None) -> GridPlan:
     """What one call of ``config`` launches at ``M`` tokens (``family="token"``: fused_moe) or
     over an expert-major buffer of ``capacity`` rows per expert (``family="expert_major"``:
     fused_moe_expert_major; M is ignored)."""
@@ -243,11 +237,11 @@ def launch_plan(shape: MoEShape, config: KernelConfig, M: int, hw: Hardware, *, 
             raise ValueError(f"capacity must be an int >= 1 for the expert_major family, got {capacity!r}")
         bound = E * _cdiv(capacity, c.bm)
         if c.form == "two_launch" and c.split_k == 1:
-            cap = KERNEL_PLAN["EM_CTAS_PER_SM"]
-            return LaunchPlan("stored", c.bm, (
+            cap = KERNEL_PLAN.expert_major_ctas_per_sm
+            return GridPlan("stored", c.bm, (
                 Launch("gemm1", n1, max(1, min(bound * n1, hw.sms * min(r1, cap)))),
                 Launch("gemm2", n2, max(1, min(bound * n2, hw.sms * min(r2, cap))))))
-        return LaunchPlan("aligned", c.bm, _aligned_launches(c, n1, n2, r1, r2, hw))
+        return GridPlan("aligned", c.bm, _aligned_launches(c, n1, n2, r1, r2, hw))
     if M < 1:
         raise ValueError(f"M must be an int >= 1, got {M!r}")
     path = token_path(c, M)
@@ -256,13 +250,13 @@ def launch_plan(shape: MoEShape, config: KernelConfig, M: int, hw: Hardware, *, 
         # expert, N tile, reduction share) units, phase 2 the decode GEMM2's (column tile,
         # expert split) units, each split walking its share of the named experts -- modelled
         # as (named expert, column tile) work over the same programs.
-        grid = hw.sms * min(r1, KERNEL_PLAN["PERSISTENT_CTAS_PER_SM"])
-        max_splits = max(1, min(_cdiv(H, c.bk), KERNEL_PLAN["PERSISTENT_MAX_SPLITS"]))
+        grid = hw.sms * min(r1, KERNEL_PLAN.persistent_ctas_per_sm)
+        max_splits = max(1, min(_cdiv(H, c.bk), KERNEL_PLAN.persistent_max_splits))
         tiles2 = _cdiv(H, decode_column_tile(H, hw))
-        return LaunchPlan("direct", c.bm, (
+        return GridPlan("direct", c.bm, (
             Launch("persistent-1", n1, grid, split_fill=grid, max_splits=max_splits),
             Launch("persistent-2", tiles2, grid)))
-    return LaunchPlan(path, c.bm, _aligned_launches(c, n1, n2, r1, r2, hw))
+    return GridPlan(path, c.bm, _aligned_launches(c, n1, n2, r1, r2, hw))
 
 
 def _aligned_launches(c: KernelConfig, n1: int, n2: int, r1: int, r2: int, hw: Hardware) -> tuple[Launch, ...]:
@@ -293,7 +287,7 @@ def grids(shape: MoEShape, config: KernelConfig, counts, hw: Hardware, *, M: int
     if M is None:
         total = sum(int(n) for n in (counts.tolist() if isinstance(counts, torch.Tensor) else counts))
         M = max(1, _cdiv(total, shape.top_k))
-    plan = launch_plan(shape, config, M, hw, elem_bytes=elem_bytes, family=family, capacity=capacity)
+    plan = grid_plan(shape, config, M, hw, elem_bytes=elem_bytes, family=family, capacity=capacity)
     return plan.grids(token_blocks(counts, config.bm, capacity if family == "expert_major" else None))
 
 

@@ -33,7 +33,7 @@ from moekit.kernels.configs import KernelConfig
 from moekit.ramp.costmodel import PHIS, CostModel
 from moekit.ramp.fallback import fallback_choice, templates
 from moekit.ramp.modelfile import dtype_name, find_model, load_model, model_filename
-from moekit.ramp.regions import Hardware, hardware_for, launch_plan
+from moekit.ramp.regions import Hardware, hardware_for, grid_plan
 from moekit.shapes import MoEShape
 
 try:  # Triton is optional: without it the torch version of the selection runs.
@@ -113,7 +113,7 @@ def device_model(model: CostModel, device: torch.device | str, capacity: int | N
         else:
             M = 1
             direct[r] = -1
-        plan = launch_plan(model.shape, c, M, model.hardware, elem_bytes=model.elem_bytes, family=model.family,
+        plan = grid_plan(model.shape, c, M, model.hardware, elem_bytes=model.elem_bytes, family=model.family,
                            capacity=cap)
         if plan.path != path:
             raise ValueError(f"variant ({i}, {path}) has no such path for this family: {plan.path}")
