@@ -32,22 +32,22 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, remember the 
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers, tokenizers, safetensors; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "tokenizers", tokenizers.__version__, "safetensors", safetensors.__version__)'
   stage gpu-tests 100 python3 -m pytest tests/gpu/test_hf_integration_gpu.py -p no:cacheprovider -q -s
-  stage train $((LM_MINUTES * 60 + 60)) moekit lm train --preset "$LM_PRESET" --minutes "$LM_MINUTES" --out "$MODEL_DIR"
+  stage train $((LM_MINUTES * 60 + 60)) python3 -m moekit.cli lm train --preset "$LM_PRESET" --minutes "$LM_MINUTES" --out "$MODEL_DIR"
   cp "$MODEL_DIR/train.json" "$OUT/train.json" 2>/dev/null
-  stage record 60 moekit trace record --model "$MODEL_DIR" --prompts "$MODEL_DIR/heldout_prompts.jsonl" \
+  stage record 60 python3 -m moekit.cli trace record --model "$MODEL_DIR" --prompts "$MODEL_DIR/heldout_prompts.jsonl" \
     --out "$TRACE" --batch-size 8 --prompt-tokens "$PROMPT_TOKENS" --decode-steps 32 --world-size 8 --name olmoe-stdlib
   {
     for f in "$TRACE" "${TRACE%.npz}.decode.npz"; do
       echo "######## moekit trace stats $(basename "$f") --world-size 8"
-      moekit trace stats "$f" --world-size 8
+      python3 -m moekit.cli trace stats "$f" --world-size 8
       echo
       echo "######## moekit trace report $(basename "$f") --world-size 8"
-      moekit trace report "$f" --world-size 8
+      python3 -m moekit.cli trace report "$f" --world-size 8
       echo
     done
   } > "$OUT/trace_report.txt" 2>&1
   cat "$OUT/trace_report.txt"
-  stage bench 110 moekit lm bench --model "$MODEL_DIR" --batches 1,16,64 --new-tokens 32 --prompt-tokens 64 \
+  stage bench 110 python3 -m moekit.cli lm bench --model "$MODEL_DIR" --batches 1,16,64 --new-tokens 32 --prompt-tokens 64 \
     --repeats 3 --implementations transformers,fused,fused_fp8 --out-dir "$OUT"
   python3 - "$OUT" "${rc[gpu-tests]:-x}" "${rc[train]:-x}" "${rc[record]:-x}" "${rc[bench]:-x}" <<'EOF'
 import json, sys

@@ -105,3 +105,20 @@ def test_timings_shape_is_checked():
 
     with pytest.raises(ValueError, match="times must be"):
         Timings(SHAPE, 16, "bfloat16", [KernelConfig()], [Point(1, 1.0, 1.0, np.zeros(16))], np.zeros((2, 1)))
+
+
+def test_regret_skips_points_that_were_not_measured():
+    """A profile cut short by its deadline leaves whole points unmeasured (NaN rows): the fit and
+    the regret use the measured points only, and the regret stays finite."""
+    rng = np.random.default_rng(2)
+    configs = config_space(SHAPE)[::9]
+    truth = synthetic_model(SHAPE, configs, rng)
+    pts = grid(SHAPE, rng)
+    align_subwave(truth, pts)
+    t = timings_from_model(truth, pts)
+    cut = timings_from_model(truth, pts)
+    cut.times[-3:] = np.nan
+    r_cut = cm.regret(cm.fit(cut, truth.hardware), cut)
+    assert np.isfinite(r_cut.mean) and np.isfinite(r_cut.max)
+    assert len(r_cut.regrets) == len(pts) - 3
+    assert len(cm.regret(cm.fit(t, truth.hardware), t).regrets) == len(pts)

@@ -306,6 +306,8 @@ def regret(model: CostModel, timings) -> Regret:
     """The model's choice at every point of ``timings`` against the fastest measured config."""
     regrets, chosen = [], []
     for j, p in enumerate(timings.points):
+        if not np.isfinite(timings.times[j]).any():  # a point nothing was measured at (a deadline)
+            continue
         i = model.choose(p.counts, p.M)
         best = np.nanmin(timings.times[j])
         t = timings.times[j, i]

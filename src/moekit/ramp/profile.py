@@ -651,6 +651,11 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
         f"{len(configs)} configs x {len(points)} points; est. {est:.0f} s")
     run = timer.run(configs, points)
     t = run.timings
+    tpath = None
+    if out_dir is not None:  # the raw timings first: whatever the fit does, the measurement is kept
+        tpath = save_timings(t, Path(out_dir) / f"profile-{hw.key}-{shape.name}-{spec.dtype}-{spec.family}"
+                             "-timings.json.gz", params={"profile": asdict(spec)}, family=spec.family,
+                             capacity=spec.capacity if spec.family == "expert_major" else None)
     form = ModelForm(**spec.form) if spec.form else ModelForm()
     elem = 1 if spec.dtype == "float8_e4m3fn" else 2
     model = fit(t, hw, form, family=spec.family, capacity=spec.capacity if spec.family == "expert_major" else None,
@@ -680,9 +685,6 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
     out = Path(out_dir)
     mpath = save_model(model, out / model_filename(hw.key, shape, spec.dtype, spec.family), dtype=spec.dtype,
                        routed_experts=routed, profile=profile_meta, environment=env)
-    tpath = save_timings(t, out / f"profile-{hw.key}-{shape.name}-{spec.dtype}-{spec.family}-timings.json.gz",
-                         params={"profile": asdict(spec)}, family=spec.family,
-                         capacity=spec.capacity if spec.family == "expert_major" else None)
     record |= {"model_file": str(mpath), "timings_file": str(tpath)}
     rpath = write_record("ramp-profile", {"spec": asdict(spec)}, record, out_dir=out)
     record["record"] = str(rpath)
