@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.moe.experts import check_expert_tokens, check_expert_weights, swiglu
+from moekit.moe.experts import SwiGLUExperts, swiglu
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,7 +39,7 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, batch_in
     return linear(swiglu(linear(x, w13, batch_invariant=batch_invariant)), w2, batch_invariant=batch_invariant)
 
 
-class RowwiseExperts(nn.Module):
+class RowwiseExperts(SwiGLUExperts):
     """A rank's SwiGLU experts on a Dispatcher's expert-major tokens, batch-invariant.
 
     Same call as :class:`moekit.moe.SwiGLUExperts` (``tokens[E_local, capacity, H]``,
@@ -47,23 +47,6 @@ class RowwiseExperts(nn.Module):
     that row alone, whatever the capacity a dispatcher padded to.
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
-        super().__init__()
-        check_expert_weights(w13, w2)
-        self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(w2, requires_grad=False)
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | None = None,
-                scales: torch.Tensor | None = None) -> torch.Tensor:
-        check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
-        if scales is not None:
-            from moekit.fp8 import dequantize_groups
-
-            tokens = dequantize_groups(tokens, scales, self.w13.dtype)
-        tokens = tokens.to(self.w13.dtype)
+    def compute(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.stack([expert_mlp(tokens[e], self.w13[e], self.w2[e], batch_invariant=True)
                             for e in range(self.num_experts)])

@@ -116,5 +116,9 @@ class SwiGLUExperts(nn.Module):
         check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
         if scales is not None:
             tokens = dequantize_groups(tokens, scales, self.w13.dtype)
-        h = torch.bmm(tokens.to(self.w13.dtype), self.w13.transpose(1, 2))
+        return self.compute(tokens.to(self.w13.dtype))
+
+    def compute(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The experts on validated tokens [E_local, capacity, H] in the weights' dtype."""
+        h = torch.bmm(tokens, self.w13.transpose(1, 2))
         return torch.bmm(swiglu(h), self.w2.transpose(1, 2))
