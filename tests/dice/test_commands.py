@@ -5,17 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from moekit.cli import main
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -13,14 +13,6 @@ from moekit.moe import MoEWeights, reference_moe
 from moekit.shapes import get_shape
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 SMALL = digits_config(hidden=32, depth=2, num_heads=2, num_experts=4)
 
 

@@ -15,14 +15,6 @@ from tests.dice.cases import CFG_SCALE, CONFIG, global_batch, tiny_model
 STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _run(moe, model=None, batch=3):
     model = model or tiny_model()
     noise, labels = global_batch([batch])

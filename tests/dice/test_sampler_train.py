@@ -11,14 +11,6 @@ from moekit.dice.train import TrainConfig, load_checkpoint, save_checkpoint, tra
 from tests.dice.cases import CONFIG, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class ConstantVelocity:
     """A stand-in model whose velocity is noise - target: Euler integration must land on target."""
 

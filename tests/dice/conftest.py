@@ -1,0 +1,15 @@
+"""Shared fixtures of the DICE tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread in every DICE test (the tests' arithmetic is compared bitwise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
