@@ -8,7 +8,8 @@ import torch
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """One intra-op thread in every DICE test (the tests' arithmetic is compared bitwise)."""
+    """One intra-op thread in every DICE test, as in the ranks: on a busy CI machine multi-threaded
+    tiny ops crawl."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -60,14 +60,6 @@ def _row_rank(sizes: list[int]) -> torch.Tensor:
     return torch.cat([sample_rank, sample_rank]).repeat_interleave(CONFIG.tokens_per_image)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: a busy CI machine makes multi-threaded tiny ops crawl
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("world_size", sorted(WORLDS))
 def test_schedules_match_the_simulator_bitwise(world_size, one_thread):
     sizes = WORLDS[world_size]
