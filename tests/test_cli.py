@@ -49,6 +49,9 @@ def test_trace_generate_and_stats(tmp_path, capsys):
     out = capsys.readouterr().out
     stats = json.loads(out[out.index("{"):])
     assert stats  # content is checked in tests/routing
+    assert [row["layer"] for row in stats["layers"]] == [0, 1]  # per-layer beta (tests/integrations)
+    assert main(["trace", "stats", str(path)]) == 0
+    assert "Per layer (beta" in capsys.readouterr().out
 
 
 def test_trace_stats_bad_file(tmp_path, capsys):

@@ -6,15 +6,22 @@ from moekit.commands import check_int
 
 
 def run_stats(args) -> int:
+    from moekit.bench.report import format_table
+    from moekit.integrations.trace_report import LAYER_COLUMNS, layer_table
     from moekit.routing import RoutingTrace, format_stats, trace_stats
 
-    stats = trace_stats(RoutingTrace.load(args.file), args.world_size, capacity=args.capacity)
+    trace = RoutingTrace.load(args.file)
+    stats = trace_stats(trace, args.world_size, capacity=args.capacity)
+    layers = layer_table(trace, args.world_size)
     if args.json:
         import json
 
-        print(json.dumps(stats.to_dict(), indent=2))
+        print(json.dumps(stats.to_dict() | {"layers": layers}, indent=2))
     else:
         print(format_stats(stats))
+        print(f"\nPer layer (beta = normalized entropy of the expert load, 1 = uniform; active = share of experts "
+              f"with a token in a step; per-peer count on P = {args.world_size}):")
+        print(format_table(layers, LAYER_COLUMNS, floatfmt=".3f"))
     return 0
 
 

@@ -27,6 +27,7 @@ from moekit.routing import RoutingTrace
 from moekit.routing.stats import active_experts, balancedness, expert_counts
 
 CAPSPILL_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.995, 1.0)
+LAYER_COLUMNS = ["layer", "steps", "beta", "beta_min", "active_share", "active_min", "active_max", "peer_count_mean"]
 
 
 def layer_table(trace: RoutingTrace, world_size: int) -> list[dict]:
@@ -136,8 +137,7 @@ def format_report(report: dict) -> str:
         "",
         f"Per layer (beta = normalized entropy of the expert load, 1 = uniform; active = share of experts with a "
         f"token in a step; per-peer count on P = {P}):",
-        format_table(report["layers"], ["layer", "steps", "beta", "beta_min", "active_share", "active_min",
-                                        "active_max", "peer_count_mean"], floatfmt=".3f"),
+        format_table(report["layers"], LAYER_COLUMNS, floatfmt=".3f"),
         "",
         f"Cap-and-Spill on P = {P} ranks (C = ceil(Q_q) of the per-peer counts, S = T_max * K - C; overflow = sends "
         "with some count > C; spill = routed pairs on the spill pass):",
