@@ -6,16 +6,16 @@ import pytest
 
 from moekit.shapes import PRESETS, MoEShape, get_shape
 
-# MoE-tax seed (003), Table 2: hidden, MoE intermediate, routed experts, experts per token,
+# The MoE tax paper, Table 2: hidden, MoE intermediate, routed experts, experts per token,
 # shared experts, layers.
 TAX_TABLE_2 = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 0, 32),
     "qwen2-moe": (3584, 2560, 64, 8, 8, 28),
     "deepseek-v3": (7168, 2048, 256, 8, 1, 61),
 }
-# RaMP seed (002), Table IV: E, fused up-projection width 2N, hidden H.
+# The RaMP paper, Table IV: E, fused up-projection width 2N, hidden H.
 RAMP_TABLE_IV = {"olmoe-1b-7b": (64, 2048, 2048), "qwen3-30b-a3b": (128, 1536, 2048)}
-# DiT-MoE public release (the models of the DICE seed, 001): layers, hidden, E, K.
+# DiT-MoE public release (the models of the DICE paper): layers, hidden, E, K.
 DIT_MOE = {"dit-moe-xl": (28, 1152, 8, 2), "dit-moe-g": (40, 1408, 16, 2)}
 
 

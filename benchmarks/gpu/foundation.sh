@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the foundation (issue 2) on nvidia-h200-x2: GPU tests, the demo on
+# One device call for the foundation on nvidia-h200-x2: GPU tests, the demo on
 # the GPUs, and the eager all-to-all baseline for deepseek-v3. Usage (device machine, repo
 # root): MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/foundation.sh
 set -uo pipefail

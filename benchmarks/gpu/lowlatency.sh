@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The low-latency EP layer on nvidia-h200-x2: GPU tests and/or the benchmark (issue 6).
+# The low-latency EP layer on nvidia-h200-x2: GPU tests and/or the benchmark.
 # Usage (device machine, repo root): MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/lowlatency.sh [tests|bench|all]
 #   tests: tests/gpu/test_lowlatency_gpu.py (correctness, 10,000 eager + 10,000 graph-replayed steps,
 #          traces), about 3 minutes

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200 (a single GPU): the MoE-tax model's measured check (issue 5,
-# part 6). Times the MoE FFN block (router + fused Triton experts + shared experts), DenseFA
+# One device call on nvidia-h200 (a single GPU): the MoE-tax model's measured
+# check. Times the MoE FFN block (router + fused Triton experts + shared experts), DenseFA
 # and DensePA at m = 1..4096 for mixtral-8x7b and qwen2-moe, uniform routing and beta = 0.8,
 # with the HBM-copy and 8192^3-matmul ceilings measured in the same run, and writes
 # $OUT/results/tax-measure-*.json, its -tau.png and -hardware.json, and $OUT/log.txt (4 files).

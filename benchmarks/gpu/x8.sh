@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's runs on nvidia-h200-x8 (8 GPUs of one host), one mode per device call (<= 10 min):
+# The 8-GPU runs on nvidia-h200-x8 (8 GPUs of one host), one mode per device call (<= 10 min):
 #   lowlatency: moekit bench lowlatency --world-size 8 (deepseek-v3, 1..256 tokens per rank; the
 #               layer, the AllToAllDispatcher and all_to_all_vdev_2d at 32 experts, byte floor)
 #   capspill:   moekit bench capspill --world-size 8 (Mixtral-8x7B-like trace, H = 4096)

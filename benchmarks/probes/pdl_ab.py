@@ -11,7 +11,7 @@ The first variant is the reference the others are compared and checked against.
   benchmarks/results/kernel-nvidia-h200) with its routing, x and weights drawn as the bench
   draws them, and the ``--top`` configs that were fastest there (or ``--configs``). Per point:
   the best µs of each variant and its % of the measured HBM copy rate over the bytes the call
-  must move (the dataset's "hbm%"), so the count of points at >= 70 % (issue 4's goal) can be
+  must move (the dataset's "hbm%"), so the count of points at >= 70 % (the decode goal) can be
   read.
 * FP8 (``--fp8``): FP8 decode points with the FP8 decode configs that won them (docs/kernel.md).
 * large M (``--large``): the token path at M = 256 and 2048 (uniform routing) with the config

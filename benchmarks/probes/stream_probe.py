@@ -17,7 +17,7 @@ point of a bf16 dataset table, with its ``--top`` fastest configs, two ways, int
 
 It does the same for a trivial one-kernel call (``harness``). It reports, per point, the best µs
 of each way and its % of the measured HBM copy rate over the bytes the call must move (the
-dataset's "hbm%", issue 4's goal of >= 70 % at M <= 16), and the count of points at >= 70 %
+dataset's "hbm%", the decode goal of >= 70 % at M <= 16), and the count of points at >= 70 %
 each way. It reports and does not redefine: the dataset's number is ``alone``.
 
     PYTHONPATH=src:benchmarks/probes python3 benchmarks/probes/stream_probe.py [--table T] [--out F]

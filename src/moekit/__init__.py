@@ -1,6 +1,6 @@
 """moekit: fast expert-parallel Mixture-of-Experts inference.
 
-The data path (see DESIGN.md): Router -> Dispatcher.dispatch -> expert compute ->
+The data path (see docs/architecture.md): Router -> Dispatcher.dispatch -> expert compute ->
 Dispatcher.combine. ``moekit.shapes`` holds model shapes, ``moekit.routing`` synthetic and
 recorded routing, ``moekit.moe`` the reference MoE layer, ``moekit.ep`` expert parallelism.
 """

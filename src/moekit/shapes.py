@@ -2,10 +2,10 @@
 
 Every number here is the model's published configuration as the seeds quote it:
 
-* mixtral-8x7b, qwen2-moe (57B-A14B), deepseek-v3: the MoE-tax seed (003), Table 2;
-* olmoe-1b-7b, qwen3-30b-a3b: the RaMP seed (002), Table IV, which lists E, the fused
+* mixtral-8x7b, qwen2-moe (57B-A14B), deepseek-v3: the MoE tax paper, Table 2;
+* olmoe-1b-7b, qwen3-30b-a3b: the RaMP paper, Table IV, which lists E, the fused
   up-projection width 2N and the hidden size H (their top-k is 8, RaMP section III-A);
-* dit-moe-xl, dit-moe-g: the DICE seed (001) names these models but prints no dimensions;
+* dit-moe-xl, dit-moe-g: the DICE paper names these models but prints no dimensions;
   they come from the public DiT-MoE release the seed uses (XL/2-8E2A: 28 blocks, hidden
   1152; G/2-16E2A: 40 blocks, hidden 1408; experts of width 4*hidden, two shared experts
   of width hidden each).

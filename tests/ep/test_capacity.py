@@ -57,7 +57,7 @@ def test_matches_trace_stats_and_the_seed_on_the_mixtral_preset():
     assert cal.overflow_slice_fraction == pytest.approx(stats.overflow_slice_fraction)
     assert cal.overflow_token_fraction == pytest.approx(stats.overflow_token_fraction)
     assert cal.max_tokens == 43 and cal.top_k == 2
-    assert 14 <= cal.capacity <= 18  # the seed's Q99 is 16
+    assert 14 <= cal.capacity <= 18  # the paper's Q99 is 16
 
 
 def test_bad_arguments():

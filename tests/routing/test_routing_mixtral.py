@@ -1,11 +1,11 @@
-"""The Mixtral-8x7B Cap-and-Spill preset reproduces the seed's per-peer count statistics."""
+"""The Mixtral-8x7B Cap-and-Spill preset reproduces the paper's per-peer count statistics."""
 
 import numpy as np
 import pytest
 
 from moekit.routing import mixtral_capspill_trace, trace_stats
 
-# Cap-and-Spill seed (000), section 3.2: per-peer counts over ~2M observations.
+# the Cap-and-Spill paper, section 3.2: per-peer counts over ~2M observations.
 SEED_FIGURES = {"mean": 5.1, "std": 3.6, "q99": 16.0, "max": 43.0}
 
 
@@ -13,7 +13,7 @@ SEED_FIGURES = {"mean": 5.1, "std": 3.6, "q99": 16.0, "max": 43.0}
 def test_full_size_trace_matches_seed_statistics_within_10_percent(seed):
     trace = mixtral_capspill_trace(steps=1000, layers=32, seed=seed)
     stats = trace_stats(trace, world_size=8)
-    assert stats.num_observations == 1000 * 32 * 64  # the seed's "over 2 million"
+    assert stats.num_observations == 1000 * 32 * 64  # the paper's "over 2 million"
     got = {"mean": stats.mean, "std": stats.std, "q99": stats.quantiles[0.99], "max": stats.max}
     for key, target in SEED_FIGURES.items():
         assert abs(got[key] - target) <= 0.1 * target, f"{key}: got {got[key]}, seed says {target}"

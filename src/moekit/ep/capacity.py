@@ -1,6 +1,6 @@
 """Buffer sizes of the fixed-buffer dispatchers, and capacity calibration from a routing trace.
 
-Names (DESIGN.md): P ranks, T_max the most tokens a rank dispatches per call, K top-k,
+Names (docs/architecture.md): P ranks, T_max the most tokens a rank dispatches per call, K top-k,
 E_local experts per rank. A *pair* is one (token, slot) of a rank with an expert; the
 *per-peer count* c[i, j] is the number of pairs rank i sends to rank j in one call.
 

@@ -1,7 +1,7 @@
 """The Dispatcher protocol, the Dispatched record, and the two pieces every dispatcher shares:
 input validation and the slot-ordered weighted combine.
 
-Layout of a dispatch result (DESIGN.md): received rows in expert-major layout
+Layout of a dispatch result (docs/architecture.md): received rows in expert-major layout
 ``[E_local, capacity, H]``; ``counts[e]`` rows of expert ``e`` are valid. Within an expert the
 rows are in canonical order (source rank, source token, slot k), so that every dispatcher
 returns the same rows in the same places and results can be compared with ``torch.equal``.
@@ -123,7 +123,7 @@ def weighted_slot_sum(
 ) -> torch.Tensor:
     """y[t] = sum_k w[t, k] * slot_out[t, k], the combine every dispatcher ends with.
 
-    The contract of DESIGN.md: accumulate in float32 in slot order k = 0..K-1, each term the
+    The contract of docs/architecture.md: accumulate in float32 in slot order k = 0..K-1, each term the
     float32 product of the float32 routing weight and the float32 expert output, then cast
     once. Masked slots (id -1) are skipped, whatever their rows hold. Keeping one function
     for this is what makes all dispatchers bitwise identical.

@@ -2,10 +2,10 @@
 
 ``moekit trace report FILE`` prints three tables:
 
-1. per layer: balancedness β (the RaMP seed's normalized entropy of the expert load; mean
+1. per layer: balancedness β (the RaMP paper's normalized entropy of the expert load; mean
    over steps), the share of experts that receive a token (mean, min, max over steps),
    and the mean per-peer count on P ranks;
-2. the Cap-and-Spill quantile table (the Cap-and-Spill seed's Table 2 without the
+2. the Cap-and-Spill quantile table (the Cap-and-Spill paper's Table 2 without the
    timings): for each quantile q, the per-peer capacity C = ceil(Q_q) of the trace's
    per-peer counts on P ranks, the spill capacity S = T_max * K - C, the share of sends
    (one source rank in one (step, layer)) that overflow to some peer, the share of routed

@@ -2,7 +2,7 @@
 
 * :func:`synthetic_routing` — random top-k routing with a target balancedness or Zipf skew;
 * :func:`mixtral_capspill_trace` — a trace with the per-peer statistics of the
-  Cap-and-Spill seed's Mixtral-8x7B measurements;
+  Cap-and-Spill paper's Mixtral-8x7B measurements;
 * :class:`RoutingTrace` — ``topk_ids[steps, layers, tokens, K]`` with a safe ``.npz`` format;
 * :class:`RoutingRecorder` — records a real model's routers into a trace;
 * :func:`expert_counts`, :func:`peer_counts`, :func:`balancedness`, :func:`active_experts`,

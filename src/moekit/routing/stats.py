@@ -4,7 +4,7 @@ These are host-side analysis tools (they copy GPU tensors to the CPU). Every fun
 accepts a torch tensor or a numpy array; the result is a torch tensor on the input's
 device when the input is a tensor, and a numpy array otherwise.
 
-Conventions (shared with the dispatchers, see DESIGN.md):
+Conventions (shared with the dispatchers, see docs/architecture.md):
 
 * ``topk_ids[..., T, K]`` with ``-1`` for a masked slot, which counts nowhere;
 * tokens are laid out rank-major: with P ranks, rank r owns token rows
@@ -101,7 +101,7 @@ def _count_per_row(ids: np.ndarray, to_bin, num_bins: int) -> np.ndarray:
 def balancedness(counts: Any) -> Any:
     """Normalized entropy of an expert-load histogram: ``[..., E] -> [...]`` float64.
 
-    ``H(load) / log(E)`` with ``load = counts / counts.sum()`` (the RaMP seed's beta):
+    ``H(load) / log(E)`` with ``load = counts / counts.sum()`` (the RaMP paper's beta):
     1 means perfectly uniform, lower means skewed. Conventions: an all-zero histogram
     (no tokens) has no defined skew and gives ``nan``; with a single expert (E = 1) any
     non-empty load is uniform and gives 1.0.
@@ -151,7 +151,7 @@ class TraceStats:
     capacity_source: str  # "given" or "ceil(Q0.99)"
     overflow_slice_fraction: float  # of observations with c > capacity
     # of (step, layer, source rank) sends with any c > capacity; this reading matches the
-    # "Overflow (%)" column of the Cap-and-Spill seed's Table 2 (5.4% at C = Q99), which
+    # "Overflow (%)" column of the Cap-and-Spill paper's Table 2 (5.4% at C = Q99), which
     # cannot be a per-count fraction (that is ~1% at Q99 by definition)
     overflow_send_fraction: float
     overflow_token_fraction: float  # sum(max(c - C, 0)) / sum(c)
@@ -177,7 +177,7 @@ def trace_stats(
     """Per-peer count distribution, capacity overflow and expert skew of ``trace`` on P ranks.
 
     ``capacity`` is the per-peer buffer size C used for the overflow figures; when None
-    it is ``ceil(Q0.99)`` of the counts, the operating point the Cap-and-Spill seed uses.
+    it is ``ceil(Q0.99)`` of the counts, the operating point the Cap-and-Spill paper uses.
     """
     if not isinstance(trace, RoutingTrace):
         raise ValueError(f"trace must be a RoutingTrace, got {type(trace).__name__}")

@@ -14,7 +14,7 @@ EPLB (written from its public description, no code copied):
    group's traffic stays in its node.
 
 EPLB balances raw tokens R_g and assumes an expert's tokens are split evenly among its
-replicas. Seed 003 (section 6.1) notes that the kernel's cost is the padded work
+replicas. The MoE tax paper (section 6.1) notes that the kernel's cost is the padded work
 P_g = eta_g * R_g, and that replication activates more experts (more weight loading in
 decode); a balancer of P_g that is aware of activation "would more effectively minimize
 straggler compute time", and nobody has built one. ``padding_aware_placement`` is ours:

@@ -65,7 +65,7 @@ def _worker(rank: int, world_size: int, num_steps: int) -> dict:
             out = fake_expert_outputs(d.tokens, d.scales, d.counts, d.meta.src_rank, d.meta.src_token, rank,
                                       dtype, GROUP)
             if i % 2:
-                tokens, scales, counts, meta = d  # the seed's API
+                tokens, scales, counts, meta = d  # the paper's API
                 y = layer.combine(out, ids[rank], ws[rank], meta)
             else:
                 y = layer.combine(out, d)  # the Dispatcher protocol

@@ -2,7 +2,7 @@
 
 Two APIs over one implementation:
 
-* the Dispatcher protocol of DESIGN.md — ``d = layer.dispatch(x, topk_ids, topk_weights)``
+* the Dispatcher protocol (docs/architecture.md) — ``d = layer.dispatch(x, topk_ids, topk_weights)``
   returns a :class:`LowLatencyDispatched` (a :class:`~moekit.ep.Dispatched`) and
   ``layer.combine(expert_out, d)`` returns ``[T, H]``;
 * the low-latency paper's API — ``recv_token, recv_scale, counts, meta = layer.dispatch(x, topk_ids)``
@@ -267,7 +267,7 @@ class EPLowLatencyAllToAll:
         given to dispatch) or ``combine(expert_out, topk_ids, topk_weights, dispatch_meta)``
         (the low-latency paper's). ``expert_out [E_local, world * max_m, H]`` in ``dtype``; only its
         valid rows are read. The slots are accumulated in float32 in slot order
-        (DESIGN.md), so the result is bitwise that of every other dispatcher.
+        (docs/architecture.md), so the result is bitwise that of every other dispatcher.
 
         ``zero_copy`` is accepted for the paper's API and changes nothing here: the paper's layer
         stages ``expert_out`` into a symmetric buffer first unless it is already there;

@@ -275,5 +275,5 @@ def gather_slot_outputs(expert_out: torch.Tensor, meta: LowLatencyMeta, layout: 
 def topk_reduce(slot_rows: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """``[T, H]`` from this rank's slot rows ``[max_m, K, H]``: exactly ``weighted_slot_sum``
-    on the first T rows (the DESIGN.md accumulation order; masked slots skipped)."""
+    on the first T rows (the slot accumulation order of docs/architecture.md; masked slots skipped)."""
     return weighted_slot_sum(slot_rows[: topk_ids.shape[0]], topk_ids, topk_weights, out_dtype)
