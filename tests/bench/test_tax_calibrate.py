@@ -227,3 +227,18 @@ def test_calibration_from_records_rejects_a_wrong_file(tmp_path):
     bad.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not-a-table.json"):
         tc.calibration_from_records(H200_RECORD, bad)
+
+
+def test_cli_recompare_with_a_calibration_tabulates_both_models(tmp_path, capsys):
+    from moekit.cli import main
+    from moekit.tax.efficiency import save_calibration
+
+    cal = save_calibration(tc.calibration_from_records(H200_RECORD, H200_KERNELS, leave_out="qwen2-moe"),
+                           tmp_path / "dev-h200.json")
+    assert main(["tax", "--recompare", str(H200_RECORD), "--hardware-file", cal]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| NVIDIA H200 | ")]
+    assert {r.split(" | ")[1] for r in rows} == {"mixtral-8x7b", "qwen2-moe"}
+    for r in rows:  # both models' largest errors, recomputed (the record itself has no calibrated side)
+        cells = r.split(" | ")
+        assert "% (m = " in cells[2] and "% (m = " in cells[4] and cells[3] == "26/26"

@@ -123,7 +123,7 @@ def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = No
                              "t_densefa_error_calibrated": cp.t_dense * 1e6 / t_fa - 1.0,
                              "calibration_notes": notes, "calibration": cal.name}
                 rows.append({
-                    **extra, "model": name, "routing": label, "m": m, "config_id": p.get("config_id"),
+                    **extra, "device": data["environment"].get("device", base["name"]), "model": name, "routing": label, "m": m, "config_id": p.get("config_id"),
                     "tau_measured": p["tau_measured"], "tau_model": point.tau,
                     "error": point.tau / p["tau_measured"] - 1.0, "regime": point.regime,
                     "t_moe_error": point.t_moe * 1e6 / t_moe - 1.0, "t_densefa_error": point.t_dense * 1e6 / t_fa - 1.0,
@@ -258,30 +258,40 @@ def format_measure(record: dict) -> str:
     return "\n".join(lines)
 
 
-def largest_errors(record: dict) -> list[dict]:
-    """Per model of a record: the largest |error| of tau over its routings and batch sizes, for
-    the calibrated model (where the record has it) and the 100 %-peak one, with where it is and
-    how many points are within the target."""
+def record_rows(record: dict) -> list[dict]:
+    """One row per point of a record: its device, model, routing, m and the errors of tau of the
+    100 %-peak model (``error``) and, where the record has it, the calibrated one."""
     res = record["results"]
     device = record.get("environment", {}).get("device", res["hardware"]["name"])
-    rows = []
-    for name, mres in res["models"].items():
-        pts = [(label, p) for label, rres in mres["routings"].items() for p in rres["points"]]
-        row = {"device": device, "model": name, "points": len(pts)}
-        for key, err in (("calibrated", "rel_error_calibrated"), ("peak", "rel_error")):
-            have = [(label, p) for label, p in pts if err in p]
-            if not have:
-                continue
-            label, worst = max(have, key=lambda lp: abs(lp[1][err]["tau"]))
-            row[key] = {"error": worst[err]["tau"], "m": worst["m"], "routing": label,
-                        "within": sum(abs(p[err]["tau"]) <= ERROR_TARGET for _, p in have)}
-        rows.append(row)
-    return rows
+    return [{"device": device, "model": name, "routing": label, "m": p["m"], "error": p["rel_error"]["tau"],
+             **({"error_calibrated": p["rel_error_calibrated"]["tau"]} if "rel_error_calibrated" in p else {})}
+            for name, mres in res["models"].items() for label, rres in mres["routings"].items()
+            for p in rres["points"]]
 
 
-def error_table(records: list[dict]) -> str:
+def largest_errors(rows: list[dict]) -> list[dict]:
+    """Per device and model: the largest |error| of tau over routings and batch sizes, for the
+    calibrated model (where the rows have it) and the 100 %-peak one, with where it is and how
+    many points are within the target (rows of :func:`record_rows` or :func:`recompare`)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r.get("device", "?"), r["model"]), []).append(r)
+    out = []
+    for (device, model), rs in groups.items():
+        row = {"device": device, "model": model, "points": len(rs)}
+        for key, err in (("calibrated", "error_calibrated"), ("peak", "error")):
+            have = [r for r in rs if r.get(err) is not None]
+            if have:
+                worst = max(have, key=lambda r: abs(r[err]))
+                row[key] = {"error": worst[err], "m": worst["m"], "routing": worst["routing"],
+                            "within": sum(abs(r[err]) <= ERROR_TARGET for r in have)}
+        out.append(row)
+    return out
+
+
+def error_table(records: list[dict] = (), rows: list[dict] = ()) -> str:
     """Markdown: the largest error per shape and GPU, calibrated model and 100 %-peak model side
-    by side (:func:`largest_errors` of each record)."""
+    by side, from records (what they hold) and/or recomputed rows (:func:`recompare`)."""
     lines = ["| GPU | model | calibrated: largest error (m, routing) | within 30 % | "
              "100 % peaks: largest error (m, routing) | within 30 % |", "|---|---|---|---|---|---|"]
 
@@ -290,12 +300,12 @@ def error_table(records: list[dict]) -> str:
             return "-", "-"
         return f"{100 * d['error']:+.1f} % (m = {d['m']}, {d['routing']})", f"{d['within']}"
 
-    for record in records:
-        for r in largest_errors(record):
-            cal, cal_in = cell(r.get("calibrated"))
-            peak, peak_in = cell(r.get("peak"))
-            lines.append(f"| {r['device']} | {r['model']} | {cal} | {cal_in}/{r['points']} | {peak} | "
-                         f"{peak_in}/{r['points']} |")
+    every = [r for record in records for r in record_rows(record)] + list(rows)
+    for r in largest_errors(every):
+        cal, cal_in = cell(r.get("calibrated"))
+        peak, peak_in = cell(r.get("peak"))
+        lines.append(f"| {r['device']} | {r['model']} | {cal} | {cal_in}/{r['points']} | {peak} | "
+                     f"{peak_in}/{r['points']} |")
     return "\n".join(lines)
 
 

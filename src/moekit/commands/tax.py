@@ -24,18 +24,19 @@ def run(args) -> int:
     check_int("--gpus", args.gpus, 1)
     _positive("--deadline", args.deadline)
     if args.recompare:  # the model side of saved --measure records, with other hardware numbers or a calibration
-        from moekit.bench.report import load_record
         from moekit.bench.tax_report import error_table, format_recompare, recompare
 
         files = [f.strip() for f in args.recompare.split(",") if f.strip()]
         cals = _calibrations(args.hardware_file)
+        rows = []
         for path in files:
             print(f"== {path}")
-            print(format_recompare(recompare(path, hbm_bw=args.hbm_bw and args.hbm_bw * 1e9,
-                                             peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
-                                             calibrations=cals or None)))
+            file_rows = recompare(path, hbm_bw=args.hbm_bw and args.hbm_bw * 1e9,
+                                  peak_flops=args.peak_tflops and args.peak_tflops * 1e12, calibrations=cals or None)
+            print(format_recompare(file_rows))
+            rows += file_rows
         print()
-        print(error_table([load_record(f, kind="tax-measure") for f in files]))
+        print(error_table(rows=rows))  # the recomputed numbers of both models
         return 0
     if args.measure:  # time MoE / DenseFA / DensePA blocks here and check the model (moekit.bench.tax_measure)
         from moekit.bench.tax_measure import ALL_MODELS, MeasureConfig, run_measure
