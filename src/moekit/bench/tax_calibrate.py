@@ -288,9 +288,10 @@ def time_grouped(plan: _Plan, cfg: CalibrateConfig, timer, say, start: float) ->
 def _warm(plan: _Plan, cfg: CalibrateConfig, sampled: dict, say) -> None:
     """Fill Triton's cache for every (shape, candidate config) with a pool of processes."""
     from moekit.bench.kernel import BenchShape, warm_compile_cache
-    from moekit.bench.tax_measure import candidate_configs
+    from moekit.bench.tax_measure import candidate_configs, pool_workers
 
     workers = cfg.compile_workers if cfg.compile_workers is not None else min(16, os.cpu_count() or 1)
+    workers = pool_workers(workers, plan.grouped_shapes, plan.dtype, plan.device)
     if workers <= 0:
         return
     jobs = []

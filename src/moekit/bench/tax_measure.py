@@ -522,7 +522,7 @@ def warm_measure(plan: _Plan, cfg: MeasureConfig, sampled: dict, say) -> None:
     timed run compiles nothing (``compile_workers`` 0: compile in the run instead)."""
     from moekit.bench.kernel import BenchShape, warm_compile_cache
 
-    workers = _workers(cfg)
+    workers = pool_workers(_workers(cfg), plan.shapes, plan.dtype, plan.device)
     if workers <= 0:
         return
     hints = {s.name: (load_config_hints(cfg.configs_from, s) if cfg.configs_from else None) for s in plan.shapes}
@@ -535,6 +535,18 @@ def warm_measure(plan: _Plan, cfg: MeasureConfig, sampled: dict, say) -> None:
     say(f"filling the Triton cache: {sum(len(c) for _, c in jobs)} (model, config) pairs, {workers} processes")
     errors = warm_compile_cache(jobs, plan.batch_sizes, plan.dtype, workers, say)
     say(f"compiled in {time.perf_counter() - t0:.0f} s{f'; {len(errors)} failed' if errors else ''}")
+
+
+def pool_workers(requested: int, shapes, dtype: torch.dtype, device: torch.device) -> int:
+    """At most ``requested`` compile processes, and no more than the free device memory holds:
+    each keeps one shape's expert weights (the largest, plus a CUDA context and activations)."""
+    if requested <= 0 or device.type != "cuda":
+        return max(requested, 0)
+    _free(device)
+    elem = elem_bytes(dtype)
+    per_worker = max(3 * s.num_experts * s.hidden * s.intermediate * elem for s in shapes) + 1.5 * 2**30
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(1, min(requested, int(0.8 * free // per_worker)))
 
 
 def _workers(cfg: MeasureConfig) -> int:

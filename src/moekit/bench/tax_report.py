@@ -190,9 +190,13 @@ def explain_point(p: dict) -> str:
 def explain_calibrated(p: dict) -> str:
     """Which side of tau the calibrated model gets wrong at point ``p``."""
     e, mod = p["rel_error_calibrated"], p["model_calibrated"]
-    return (f"m={p['m']}: calibrated tau {mod['tau']:.2f} vs measured {p['tau_measured']:.2f} "
+    text = (f"m={p['m']}: calibrated tau {mod['tau']:.2f} vs measured {p['tau_measured']:.2f} "
             f"({100 * e['tau']:+.0f}%), {mod['regime']}; T_MoE {100 * e['t_moe']:+.0f}%, "
             f"T_DenseFA {100 * e['t_dense']:+.0f}% against measured ({mod['cost_model']}).")
+    curve = p.get("model_calibrated_curve")
+    if curve:  # a RaMP model priced the experts: what the grouped curve alone gives
+        text += f" The grouped curve alone: tau {curve['tau']:.2f} ({100 * curve['rel_error_tau']:+.0f}%)."
+    return text
 
 
 _COLUMNS = (  # (header, width, cell of a point)
