@@ -75,7 +75,6 @@ def test_moe_block_is_router_experts_and_shared_experts(m, bm):
     p = tm.point(m, "decode", "TP+TP", routing=ids)
 
     h, n, s = SHAPE.hidden, SHAPE.intermediate, SHAPE.shared_intermediate
-    bn = 128 if bm >= 64 else 64
     experts = []
     for batch in ids:
         counts = np.bincount(batch.ravel(), minlength=SHAPE.num_experts)

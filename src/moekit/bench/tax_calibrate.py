@@ -272,7 +272,7 @@ def time_grouped(plan: _Plan, cfg: CalibrateConfig, timer, say, start: float) ->
         best, _ = select_config(shape, xs, bias, weights, SimpleNamespace(select_iters=max(2, plan.iters // 2)),
                                 timer, kernels,
                                 candidate_configs(shape, m, sampled[shape.name]))
-        fns = [(lambda x=x, r=r: kernels.fused_moe(x, weights.w13, weights.w2, r[0], r[1], best))
+        fns = [(lambda x=x, r=r, w=weights, c=best: kernels.fused_moe(x, w.w13, w.w2, r[0], r[1], c))
                for x, r in zip(xs, routed)]
         us = summarize(timer(fns, plan.iters))["median"]
         counts = [np.bincount(r[0].reshape(-1).cpu().numpy(), minlength=shape.num_experts).tolist() for r in routed]

@@ -19,7 +19,7 @@ from moekit.bench.report import load_record, new_figure, save_figure
 from moekit.bench.tax_blocks import elem_bytes
 from moekit.shapes import MoEShape
 from moekit.tax.efficiency import Calibration, adapt_calibration, nearest_calibration
-from moekit.tax.hardware import Hardware, calibration_hardware, gpu_key, with_overrides
+from moekit.tax.hardware import Hardware, calibration_hardware, with_overrides
 from moekit.tax.model import TaxModel, TaxPoint
 
 ERROR_TARGET = 0.30  # the accuracy asked of the model: |model / measured - 1| <= 30 % at every point

@@ -482,7 +482,8 @@ def _levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], theta: n
         improved = False
         while lam < 1e12:
             step = np.linalg.solve(a + lam * (np.diag(np.diag(a)) + 1e-9 * np.eye(theta.size)), -g)
-            r_new = residuals(theta + step)
+            with np.errstate(all="ignore"):
+                r_new = residuals(theta + step)
             c_new = float(r_new @ r_new)
             if np.isfinite(c_new) and c_new < cost:
                 theta, r, gain, cost = theta + step, r_new, cost - c_new, c_new
@@ -538,10 +539,13 @@ def fit_launch(samples: Sequence[LaunchSample], hbm_bw: float, peak: float, sms:
     prior = theta0.copy()
 
     def unpack(t):
-        fixed = math.exp(t[0]) * 1e-6
-        mem_v, cmp_v = np.exp(t[1:1 + nm]), np.exp(t[1 + nm:1 + nm + nc])
-        gamma, p = _sigmoid(t[1 + nm + nc]), 1.0 + math.exp(t[2 + nm + nc])
-        sorted_fixed = math.exp(t[3 + nm + nc]) * 1e-6 if has_sorted else 0.0
+        # Clipped so a wild trial step of the solver cannot overflow (it is then simply rejected):
+        # fixed and sorted costs up to ~22 ms, efficiencies 1e-4 .. 20, p up to ~150.
+        t = np.clip(t, -30.0, 30.0)
+        fixed = math.exp(min(t[0], 10.0)) * 1e-6
+        mem_v, cmp_v = np.exp(np.clip(t[1:1 + nm], -9.0, 3.0)), np.exp(np.clip(t[1 + nm:1 + nm + nc], -9.0, 3.0))
+        gamma, p = _sigmoid(t[1 + nm + nc]), 1.0 + math.exp(min(t[2 + nm + nc], 5.0))
+        sorted_fixed = math.exp(min(t[3 + nm + nc], 10.0)) * 1e-6 if has_sorted else 0.0
         return fixed, mem_v, cmp_v, gamma, p, sorted_fixed
 
     def predict(t):
@@ -581,14 +585,15 @@ def fit_stream(nbytes: Sequence[float], seconds: Sequence[float], hbm_bw: float,
     prior = theta0.copy()
 
     def predict(t):
-        return math.exp(t[0]) * 1e-6 + b / (hbm_bw * np.interp(lb, knots, np.exp(t[1:])))
+        t = np.clip(t, -9.0, 10.0)  # (as in fit_launch: a wild trial step cannot overflow)
+        return math.exp(t[0]) * 1e-6 + b / (hbm_bw * np.interp(lb, knots, np.exp(np.minimum(t[1:], 3.0))))
 
     def residuals(t):
         return np.concatenate([np.log(predict(t) / y), smooth * _second_differences(t[1:]), 1e-3 * (t - prior)])
 
-    theta = _levenberg_marquardt(residuals, theta0)
+    theta = np.clip(_levenberg_marquardt(residuals, theta0), -9.0, 10.0)
     fit = StreamCost(math.exp(theta[0]) * 1e-6, Curve(tuple(float(k) for k in knots),
-                                                       tuple(float(v) for v in np.exp(theta[1:]))))
+                                                       tuple(float(v) for v in np.exp(np.minimum(theta[1:], 3.0)))))
     return fit, _report(predict(theta), y)
 
 
@@ -638,7 +643,7 @@ def _numbers(v) -> bool:
 
 
 def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))
+    return 1.0 / (1.0 + math.exp(-min(max(x, -30.0), 30.0)))
 
 
 def _logit(p: float) -> float:
