@@ -309,3 +309,65 @@ def test_cli_recompare(run, capsys):
     rows = tr.recompare(record, hbm_bw=hbm * 1e9)
     assert text.count("| 1 |") == 2 and text.count("| 4 |") == 2 and "tiny-shared, routing beta=0.6" in text
     assert f"{rows[0]['tau_model']:.2f}" in text and f"HBM {hbm:.0f} GB/s" in text
+
+
+# --------------------------------------------------------------------------- the calibrated model beside it
+
+
+def _calibration_for_this_device():
+    """A calibration of this very device (same name), every launch at its roofline: enough to
+    check the plumbing; the numbers themselves are checked in tests/tax."""
+    from moekit.bench.report import environment
+    from moekit.tax.efficiency import CMP_KNOTS, MEM_KNOTS, Calibration, Curve, LaunchCost, RouterCost, StreamCost
+    from moekit.tax.hardware import gpu_key
+
+    name = torch.cuda.get_device_name(0) if ON_GPU else environment()["device"]
+    one_m, one_c = Curve(MEM_KNOTS, (1.0,) * len(MEM_KNOTS)), Curve(CMP_KNOTS, (1.0,) * len(CMP_KNOTS))
+    roof = LaunchCost(1e-6, one_m, one_c, 0.0, 8.0, 2e-6)
+    return Calibration(name, gpu_key(name), 132, 1e12, 1e14, 1e11, 1e-6, dense=roof, stream=StreamCost(1e-6, one_m),
+                       grouped=roof, router=RouterCost((5e-6, 0.0, 0.0, 0.0, 0.0)))
+
+
+@pytest.fixture(scope="module")
+def calibrated_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("measure-calibrated")
+    cfg = tm.MeasureConfig(models=[TINY], batch_sizes=(1, 4), configs=0, iters=2, warmup=0, select_iters=1,
+                           input_sets=2, beta=0.6, copy_mib=4, matmul_n=64, seed=3, breakdown=False,
+                           calibration=[_calibration_for_this_device()])
+    return tm.run_measure(cfg, out_dir=str(out), log=None), out
+
+
+def test_every_point_has_both_models(calibrated_run):
+    record, _ = calibrated_run
+    res = record["results"]
+    assert res["calibration"]["name"] == _calibration_for_this_device().name and res["complete"]
+    for rres in res["models"]["tiny-shared"]["routings"].values():
+        for p in rres["points"]:
+            cal, err = p["model_calibrated"], p["rel_error_calibrated"]
+            assert err["tau"] == pytest.approx(cal["tau"] / p["tau_measured"] - 1)
+            assert err["t_moe"] == pytest.approx(cal["t_moe_us"] / p["t_moe_us"]["median"] - 1)
+            assert cal["tau"] == pytest.approx(cal["t_moe_us"] / cal["t_densefa_us"])
+            assert "calibrated" in cal["cost_model"] and p["model"]["tau"] != pytest.approx(cal["tau"])
+            # The timed routing, per input set, is in the record: m K assignments each.
+            assert len(p["expert_counts"]) == 2 and all(sum(c) == p["m"] * TINY.top_k for c in p["expert_counts"])
+        errors = [abs(p["rel_error_calibrated"]["tau"]) for p in rres["points"]]
+        assert rres["max_abs_error_calibrated"] == max(errors)
+    text = tr.format_measure(record)
+    assert text.count("calibrated: max |error|") == 2 and "| tiny-shared |" in text
+
+
+def test_recompare_from_the_records_counts_gives_the_records_calibrated_tau(calibrated_run):
+    record, _ = calibrated_run
+    rows = tr.recompare(record, calibrations=[_calibration_for_this_device()])
+    points = [p for rres in record["results"]["models"]["tiny-shared"]["routings"].values() for p in rres["points"]]
+    for r, p in zip(rows, points):
+        assert r["tau_calibrated"] == pytest.approx(p["model_calibrated"]["tau"], rel=1e-9)
+
+
+def test_deadline_skips_models_and_keeps_a_record(tmp_path):
+    cfg = tm.MeasureConfig(models=[TINY], batch_sizes=(1,), configs=0, iters=1, warmup=0, select_iters=1,
+                           input_sets=1, copy_mib=1, matmul_n=32, deadline_s=1e-9)
+    record = tm.run_measure(cfg, out_dir=str(tmp_path), log=None)
+    assert record["results"]["skipped_models"] == ["tiny-shared"] and record["results"]["models"] == {}
+    assert "png" not in record["paths"] and Path(record["paths"]["json"]).exists()
+    assert "not measured (deadline): tiny-shared" in tr.format_measure(record)

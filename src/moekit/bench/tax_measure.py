@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -41,22 +42,26 @@ from moekit.bench.report import environment, to_jsonable, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.tax_blocks import (_verify_dense, _verify_moe, block_memory, check_memory, dense_intermediates,
                                      elem_bytes, make_dense_weights, make_moe_weights, moe_block, route, skew_bias)
-from moekit.bench.tax_report import ERROR_TARGET, explain_point, measure_figure
+from moekit.bench.tax_report import ERROR_TARGET, explain_calibrated, explain_point, measure_figure
 from moekit.bench.timing import capture_graph, queue_timed
 from moekit.bench.triton_kernels import load_kernels
 from moekit.jsonfile import read_json
 from moekit.moe.experts import expert_mlp
-from moekit.shapes import MoEShape, get_shape
-from moekit.tax.hardware import Hardware, get_hardware, with_overrides
-from moekit.tax.model import TaxModel, TaxPoint, compare, unit_costs
+from moekit.shapes import MoEShape
+from moekit.tax.efficiency import Calibration, adapt_calibration, load_calibration, nearest_calibration
+from moekit.tax.hardware import Hardware, get_hardware, gpu_key, with_overrides
+from moekit.tax.model import TaxModel, TaxPoint, compare, tax_shape, unit_costs
 
 DEFAULT_MODELS = ("mixtral-8x7b", "qwen2-moe")
+# Every preset MoE shape the calibrated model is checked on (deepseek-v3 as one GPU's TP8 shard).
+ALL_MODELS = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "mixtral-8x7b", "qwen2-moe")
 GPU_BATCH_SIZES = tuple(2**i for i in range(13))  # 1 .. 4096, as the paper's figures
 CPU_BATCH_SIZES = (1, 4, 16)
 MAX_BATCH = 65536
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 COMPILE_SECONDS = 1.5  # assumed Triton compile time of one kernel variant on the GPU hosts (estimate only)
 SPECIALIZATIONS = 2  # Triton compiles an int argument (num_pairs) apart when divisible by 16
+POOL_START_SECONDS = 20.0  # assumed: a compile pool's processes import torch and start CUDA (estimate only)
 QUEUE_AHEAD_US = 40.0  # per timed replay: the host's time to queue a replay and its two events
 L2_FALLBACK = 60 * 2**20  # the largest current L2 (H200), when the device does not say
 
@@ -94,6 +99,12 @@ class MeasureConfig:
     matmul_n: int | None = None
     seed: int = 0
     memory_limit: int | None = None  # bytes; default: free device memory (CUDA), unchecked on CPU
+    # Calibration file(s) (``moekit tax calibrate``) or Calibration objects: the calibrated model is
+    # put beside the 100 %-peak one at every point (the one for this GPU kind, else the nearest, moved).
+    calibration: str | Calibration | Sequence | None = None
+    ramp: bool = True  # use a RaMP model file for the expert kernel where one covers the shape on this GPU
+    deadline_s: float | None = None  # seconds from the start after which no further model is begun
+    compile_workers: int | None = None  # processes filling Triton's cache first (None: min(16, cores) on a GPU)
 
 
 @dataclass
@@ -171,7 +182,7 @@ def _resolve(cfg: MeasureConfig) -> _Plan:
         raise ValueError("models must name at least one model")
     shapes = []
     for m in models:
-        shape = m if isinstance(m, MoEShape) else get_shape(m.strip())
+        shape = m if isinstance(m, MoEShape) else tax_shape(m.strip())
         shapes.append(shape if on_gpu or isinstance(m, MoEShape) else tiny_shape(shape))
     if len({s.name for s in shapes}) != len(shapes):
         raise ValueError(f"models must be distinct, got {[s.name for s in shapes]}")
@@ -199,6 +210,8 @@ def _resolve(cfg: MeasureConfig) -> _Plan:
         raise ValueError(f"copy_mib must be an int >= 1, got {copy_mib!r}")
     if not isinstance(matmul_n, int) or not 16 <= matmul_n <= 32768:
         raise ValueError(f"matmul_n must be an int in [16, 32768], got {matmul_n!r}")
+    if cfg.deadline_s is not None and not (isinstance(cfg.deadline_s, (int, float)) and cfg.deadline_s > 0):
+        raise ValueError(f"deadline_s must be a number > 0, got {cfg.deadline_s!r}")
     return _Plan(device, dtype, shapes, batch, routings, iters, select, warmup, copy_mib * 2**20, matmul_n,
                  bool(cfg.breakdown), cfg.input_sets)
 
@@ -243,7 +256,31 @@ def measured_hardware(base: str | Hardware, ceilings: dict | None, device_name: 
                         peak_flops=float(ceilings["matmul_tflops"]) * 1e12)
     sources = dict(hw.sources, hbm_bw="measured in this run, HBM copy (read + write)",
                    peak_flops=f"measured in this run, {ceilings['matmul_n']}^3 matmul")
-    return dataclasses.replace(hw, sources=sources)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else hw.sms
+    return dataclasses.replace(hw, sources=sources, sms=sms)
+
+
+def load_calibrations(spec) -> list[Calibration]:
+    """Calibrations from a path, comma-separated paths, a Calibration, or a sequence of those."""
+    if spec is None:
+        return []
+    items = spec.split(",") if isinstance(spec, str) else (list(spec) if isinstance(spec, (list, tuple)) else [spec])
+    out = []
+    for item in items:
+        if isinstance(item, Calibration):
+            out.append(item)
+        elif str(item).strip():
+            cal = load_calibration(str(item).strip())
+            out.append(dataclasses.replace(cal, meta={**cal.meta, "path": str(item).strip()}))
+    return out
+
+
+def device_calibration(calibrations: Sequence[Calibration], hw: Hardware) -> tuple[Calibration | None, list[str]]:
+    """The calibration for the GPU of ``hw`` (or the nearest one, moved to it) and what was done."""
+    cal = nearest_calibration(hw, calibrations)
+    if cal is None:
+        return None, []
+    return adapt_calibration(cal, hw)
 
 
 def write_hardware_file(hw: Hardware, path: str) -> str:
@@ -352,6 +389,20 @@ def predict(shape: MoEShape, hw: Hardware, m: int, block_size: int, ids: np.ndar
     return point, tm.dense_ffn(m, experts=shape.num_experts), tm.ancillary(m)
 
 
+def predict_calibrated(shape: MoEShape, cal: Calibration, m: int, block_size: int, tile_n: int, ids: np.ndarray,
+                       elem: int, kernel_cost=None, kernel_name: str | None = None) -> tuple[TaxPoint, float]:
+    """The calibrated model for exactly what was timed (as :func:`predict`), with the chosen
+    config's token block and column tile; ``kernel_cost``: a routing-aware cost of the expert
+    kernel (a RaMP model) where one covers the shape. Returns (TaxPoint, T_DensePA)."""
+    from moekit.tax.hardware import calibration_hardware
+
+    tm = TaxModel(shape, calibration_hardware(cal), n_gpus=1, padding="blockwise", block_size=block_size, f=1.0,
+                  weight_bytes=elem, act_bytes=elem, calibration=cal, kernel_cost=kernel_cost,
+                  kernel_name=kernel_name, tile_n=tile_n)
+    point = tm.point(m, "decode", "TP+TP", routing=ids)
+    return point, tm.dense_ffn(m, experts=shape.num_experts)
+
+
 def achieved(shape: MoEShape, hw: Hardware, elem: int, seconds: float, widths: float, rows: float) -> dict:
     """Fractions of the measured HBM bandwidth and matmul FLOP/s that a block reached,
     counting the model's bytes (``widths`` expert weights + activations of ``rows``
@@ -364,8 +415,9 @@ def achieved(shape: MoEShape, hw: Hardware, elem: int, seconds: float, widths: f
 # --------------------------------------------------------------------------- the run
 
 
-def estimate_seconds(plan: _Plan, n_configs: int, hints: bool) -> tuple[float, float]:
-    """(total, compile) seconds, from the H200 preset model at an assumed 50 % efficiency."""
+def estimate_seconds(plan: _Plan, n_configs: int, hints: bool, workers: int = 0) -> tuple[float, float]:
+    """(total, compile) seconds, from the H200 preset model at an assumed 50 % efficiency;
+    ``workers`` > 0: compiles shared by a pool of that many processes (plus their start)."""
     if plan.device.type != "cuda":
         return 0.0, 0.0
     total = compile_s = 0.0
@@ -380,6 +432,8 @@ def estimate_seconds(plan: _Plan, n_configs: int, hints: bool) -> tuple[float, f
             t_moe, t_fa, t_pa = p.t_moe / 0.5, p.t_dense / 0.5, tm.dense_ffn(m, shape.num_experts) / 0.5
             per_moe = cands * (2 + plan.warmup + plan.select_iters) + (graphs + plan.warmup + plan.iters) * 2
             total += len(plan.routings) * per_moe * t_moe + (graphs + plan.warmup + plan.iters) * (t_fa + t_pa)
+    if workers > 0:
+        compile_s = POOL_START_SECONDS + compile_s / workers
     return total + compile_s, compile_s
 
 
@@ -405,7 +459,7 @@ def run_measure(cfg: MeasureConfig | None = None, out_dir: str | None = "benchma
     say(f"tax --measure on {device_name} ({plan.dtype}): models {', '.join(s.name for s in plan.shapes)}; "
         f"m = {', '.join(map(str, plan.batch_sizes))}; routing {', '.join(r for r, _ in plan.routings)}")
     if on_gpu:
-        est, est_compile = estimate_seconds(plan, cfg.configs, cfg.configs_from is not None)
+        est, est_compile = estimate_seconds(plan, cfg.configs, cfg.configs_from is not None, _workers(cfg))
         say(f"estimate: ~{est / 60:.1f} min (of which ~{est_compile / 60:.1f} min Triton compiles)")
     else:
         say("CPU run: Triton interpreter and host clock on tiny shapes; this checks the pipeline, not the hardware")
@@ -418,12 +472,97 @@ def run_measure(cfg: MeasureConfig | None = None, out_dir: str | None = "benchma
             f"{plan.matmul_n}^3 matmul {ceilings['matmul_tflops']:.4g} TFLOP/s")
     hw = measured_hardware(cfg.hardware, ceilings, device_name)
     l2 = (getattr(torch.cuda.get_device_properties(plan.device), "L2_cache_size", 0) or L2_FALLBACK) if on_gpu else None
+    cal, cal_notes = device_calibration(load_calibrations(cfg.calibration), dataclasses.replace(hw, name=device_name))
+    if cal is not None:
+        say(f"calibrated model: {cal.name}")
+        for note in cal_notes:
+            say(f"  {note}")
+    sampled = {s.name: sample_configs(s, plan.device, plan.dtype, cfg.configs, cfg.seed + 1000 * i)
+               for i, s in enumerate(plan.shapes)}
+    if on_gpu:
+        warm_measure(plan, cfg, sampled, say)
 
-    models = {}
+    models, skipped, written = {}, [], {}
     for mi, shape in enumerate(plan.shapes):
-        ctx = _ModelRun(shape, plan, cfg, hw, timer, kernels, cfg.seed + 1000 * mi, say, start)
-        models[shape.name] = ctx.run(l2)
+        if cfg.deadline_s is not None and time.perf_counter() - start > cfg.deadline_s:
+            skipped.append(shape.name)
+            say(f"deadline of {cfg.deadline_s:.0f} s passed: {shape.name} not measured")
+            continue
+        cost, cost_name = None, None
+        if cal is not None and cfg.ramp and on_gpu:
+            from moekit.bench.tax_ramp import ramp_kernel_cost
 
+            cost, cost_name, note = ramp_kernel_cost(shape, gpu_key(device_name), str(plan.dtype).replace("torch.", ""))
+            say(f"  {shape.name}: {note}")
+        ctx = _ModelRun(shape, plan, cfg, hw, timer, kernels, cfg.seed + 1000 * mi, say, start,
+                        cal=cal, kernel_cost=cost, kernel_name=cost_name, sampled=sampled[shape.name])
+        models[shape.name] = ctx.run(l2)
+        if out_dir is not None and mi < len(plan.shapes) - 1:  # what is measured so far survives a cut-off run
+            written = _write(plan, cfg, hw, ceilings, l2, models, skipped, cal, cal_notes, start, out_dir, written,
+                             complete=False)
+
+    record, written = _assemble(plan, cfg, hw, ceilings, l2, models, skipped, cal, cal_notes, start, out_dir,
+                                written)
+    paths = dict(written)
+    if out_dir is not None:
+        if ceilings is not None:  # for `moekit tax --hardware <file>`: the model with these numbers
+            paths["hardware"] = write_hardware_file(hw, paths["json"].removesuffix(".json") + "-hardware.json")
+        try:
+            if models:
+                paths["png"] = measure_figure(record, paths["json"].removesuffix(".json") + "-tau.png")
+        except ImportError as exc:
+            say(f"no figure: {exc}")
+    record["paths"] = paths
+    say(f"done in {time.perf_counter() - start:.0f} s")
+    return record
+
+
+def warm_measure(plan: _Plan, cfg: MeasureConfig, sampled: dict, say) -> None:
+    """Fill Triton's cache for every model's candidate configs with a pool of processes, so the
+    timed run compiles nothing (``compile_workers`` 0: compile in the run instead)."""
+    from moekit.bench.kernel import BenchShape, warm_compile_cache
+
+    workers = pool_workers(_workers(cfg), plan.shapes, plan.dtype, plan.device)
+    if workers <= 0:
+        return
+    hints = {s.name: (load_config_hints(cfg.configs_from, s) if cfg.configs_from else None) for s in plan.shapes}
+    jobs = []
+    for s in plan.shapes:
+        configs = list(dict.fromkeys(c for m in plan.batch_sizes for c in candidate_configs(s, m, sampled[s.name],
+                                                                                             hints[s.name])))
+        jobs.append((BenchShape(s.name, s.num_experts, s.top_k, s.hidden, s.intermediate, s.num_experts), configs))
+    t0 = time.perf_counter()
+    say(f"filling the Triton cache: {sum(len(c) for _, c in jobs)} (model, config) pairs, {workers} processes")
+    errors = warm_compile_cache(jobs, plan.batch_sizes, plan.dtype, workers, say)
+    say(f"compiled in {time.perf_counter() - t0:.0f} s{f'; {len(errors)} failed' if errors else ''}")
+
+
+def pool_workers(requested: int, shapes, dtype: torch.dtype, device: torch.device) -> int:
+    """At most ``requested`` compile processes, and no more than the free device memory holds:
+    each keeps one shape's expert weights (the largest, plus a CUDA context and activations)."""
+    if requested <= 0 or device.type != "cuda":
+        return max(requested, 0)
+    _free(device)
+    elem = elem_bytes(dtype)
+    per_worker = max(3 * s.num_experts * s.hidden * s.intermediate * elem for s in shapes) + 1.5 * 2**30
+    free = torch.cuda.mem_get_info(device)[0]
+    return max(1, min(requested, int(0.8 * free // per_worker)))
+
+
+def _workers(cfg: MeasureConfig) -> int:
+    return cfg.compile_workers if cfg.compile_workers is not None else min(16, os.cpu_count() or 1)
+
+
+def _write(plan, cfg, hw, ceilings, l2, models, skipped, cal, cal_notes, start, out_dir, written, complete):
+    _, written = _assemble(plan, cfg, hw, ceilings, l2, models, skipped, cal, cal_notes, start, out_dir, written,
+                           complete)
+    return written
+
+
+def _assemble(plan, cfg, hw, ceilings, l2, models, skipped, cal, cal_notes, start, out_dir, written,
+              complete: bool = True) -> tuple[dict, dict]:
+    """The record of what is measured so far, written to ``out_dir`` (the same file each time)."""
+    on_gpu = plan.device.type == "cuda"
     verified = all(p["verify_rel_error"] <= TOLERANCE[plan.dtype]
                    and (p["dense_verify_rel_error"] is None or p["dense_verify_rel_error"] <= TOLERANCE[plan.dtype])
                    for mres in models.values() for rres in mres["routings"].values() for p in rres["points"])
@@ -436,35 +575,37 @@ def run_measure(cfg: MeasureConfig | None = None, out_dir: str | None = "benchma
         else "eager calls, host clock (Triton interpreter), rotating input sets",
         "model": "TaxModel(n_gpus=1, f=1.0, padding='blockwise', block_size=bm of the chosen config, "
                  "routing=the timed top-k ids), phase 'decode' (no effect at f=1), TP+TP",
+        "model_calibrated": None if cal is None else
+        "the same TaxModel with calibration= (and tile_n = bn of the chosen config, kernel_cost = a RaMP model "
+        "where one covers the shape on this GPU)",
+        "calibration_file": None if cal is None else cal.meta.get("path"),
+        "deadline_s": cfg.deadline_s,
     }
     results = {
         "hardware": {"name": hw.name, "hbm_bw": hw.hbm_bw, "peak_flops": hw.peak_flops, "net_bw": hw.net_bw,
                      "net_latency": hw.net_latency, "sources": hw.sources},
-        "ceilings": ceilings, "l2_bytes": l2, "models": models, "verified": verified,
-        "seconds": time.perf_counter() - start,
+        "calibration": None if cal is None else {
+            "name": cal.name, "gpu": cal.gpu, "hbm_bw": cal.hbm_bw, "peak_flops": cal.peak_flops, "notes": cal_notes,
+            "sources": cal.sources, "environment": cal.meta.get("environment")},
+        "ceilings": ceilings, "l2_bytes": l2, "models": models, "skipped_models": skipped, "complete": complete,
+        "verified": verified, "seconds": time.perf_counter() - start,
     }
-    record = to_jsonable({"kind": "tax-measure", "environment": env, "params": params, "results": results})
-    paths = {}
+    record = to_jsonable({"kind": "tax-measure", "environment": environment(), "params": params, "results": results})
+    written = dict(written)
     if out_dir is not None:
-        path = write_record("tax-measure", params, results, out_dir=out_dir)
-        paths["json"] = str(path)
-        if ceilings is not None:  # for `moekit tax --hardware <file>`: the model with these numbers
-            paths["hardware"] = write_hardware_file(hw, str(path.with_suffix("")) + "-hardware.json")
-        try:
-            paths["png"] = measure_figure(record, str(path.with_suffix("")) + "-tau.png")
-        except ImportError as exc:
-            say(f"no figure: {exc}")
-    record["paths"] = paths
-    say(f"done in {time.perf_counter() - start:.0f} s")
-    return record
+        name = os.path.basename(written["json"]) if "json" in written else None
+        written["json"] = str(write_record("tax-measure", params, results, out_dir=out_dir, name=name))
+    return record, written
 
 
 class _ModelRun:
     """Everything timed for one model: DenseFA, DensePA, then the MoE block per routing."""
 
-    def __init__(self, shape, plan, cfg, hw, timer, kernels, seed, say, start) -> None:
+    def __init__(self, shape, plan, cfg, hw, timer, kernels, seed, say, start, *, cal=None, kernel_cost=None,
+                 kernel_name=None, sampled=None) -> None:
         self.shape, self.plan, self.cfg, self.hw, self.timer = shape, plan, cfg, hw, timer
         self.kernels, self.seed, self.say, self.start = kernels, seed, say, start
+        self.cal, self.kernel_cost, self.kernel_name, self.sampled = cal, kernel_cost, kernel_name, sampled
         self.elem = elem_bytes(plan.dtype)
         # The same input sets for every block kind, so the three see the same activations.
         self.xs = {m: [_inputs(shape, m, g, plan, seed) for g in range(plan.input_sets)] for m in plan.batch_sizes}
@@ -477,7 +618,8 @@ class _ModelRun:
     def run(self, l2: int | None) -> dict:
         shape, plan = self.shape, self.plan
         hints = load_config_hints(self.cfg.configs_from, shape) if self.cfg.configs_from else None
-        sampled = sample_configs(shape, plan.device, plan.dtype, self.cfg.configs, self.seed)
+        sampled = self.sampled if self.sampled is not None else sample_configs(shape, plan.device, plan.dtype,
+                                                                                self.cfg.configs, self.seed)
         dense_us, dense_err = self.dense()
         weights = make_moe_weights(shape, plan.dtype, plan.device, self.seed + 3)
         routings = {}
@@ -487,11 +629,15 @@ class _ModelRun:
                 t0 = time.perf_counter()
                 res = _measure_moe_point(shape, m, self.xs[m], weights, beta, plan, self.timer, self.kernels,
                                          sampled, hints, self.seed)
-                res.update(_model_side(shape, self.hw, self.elem, m, res, dense_us))
+                res.update(_model_side(shape, self.hw, self.elem, m, res, dense_us, self.cal, self.kernel_cost,
+                                       self.kernel_name))
                 res["dense_verify_rel_error"] = dense_err
                 points.append(res)
+                cal_text = "" if self.cal is None else (
+                    f"calibrated {res['model_calibrated']['tau']:.2f}, "
+                    f"{100 * res['rel_error_calibrated']['tau']:+.0f}%; ")
                 self._progress(f"MoE {label}", m, res["t_moe_us"]["median"], t0,
-                               f" tau {res['tau_measured']:.2f} (model {res['model']['tau']:.2f}, "
+                               f" tau {res['tau_measured']:.2f} ({cal_text}100%-peak {res['model']['tau']:.2f}, "
                                f"{100 * res['rel_error']['tau']:+.0f}%) {res['config_id']} "
                                f"best of {len(res['candidates'])} ")
             errors = [abs(p["rel_error"]["tau"]) for p in points]
@@ -501,6 +647,14 @@ class _ModelRun:
                 "within_target": bool(max(errors) <= ERROR_TARGET), "worst_m": worst["m"],
                 "explanation": explain_point(worst),
             }
+            if self.cal is not None:
+                cal_errors = [abs(p["rel_error_calibrated"]["tau"]) for p in points]
+                worst_cal = points[int(np.argmax(cal_errors))]
+                routings[label].update({
+                    "max_abs_error_calibrated": max(cal_errors),
+                    "within_target_calibrated": bool(max(cal_errors) <= ERROR_TARGET),
+                    "worst_m_calibrated": worst_cal["m"], "explanation_calibrated": explain_calibrated(worst_cal),
+                })
         del weights
         _free(plan.device)
         # The least weight traffic of any timed block (MoE at m=1: K experts + shared) vs L2:
@@ -598,9 +752,40 @@ def _measure_moe_point(shape, m, xs, weights, beta, plan, timer, kernels, sample
     }
 
 
-def _model_side(shape, hw, elem, m, res, dense_us) -> dict:
-    """The model's numbers for this point, the measured ratios and their errors."""
+def _model_side(shape, hw, elem, m, res, dense_us, cal=None, kernel_cost=None, kernel_name=None) -> dict:
+    """The models' numbers for this point (the 100 %-peak one and, with ``cal``, the calibrated
+    one), the measured ratios and their errors."""
     ids = res.pop("_ids")
+    side = _peak_side(shape, hw, elem, m, res, dense_us, ids)
+    # The routing as timed, per input set (tokens per expert): enough to recompute any model later.
+    side["expert_counts"] = [np.bincount(i.reshape(-1)[i.reshape(-1) >= 0], minlength=shape.num_experts).tolist()
+                             for i in ids]
+    if cal is not None:
+        t_moe = res["t_moe_us"]["median"] * 1e-6
+        t_fa = dense_us["densefa", m]["median"] * 1e-6
+        t_pa = dense_us["densepa", m]["median"] * 1e-6
+        bm, bn = res["config"]["bm"], res["config"]["bn"]
+        point, c_pa = predict_calibrated(shape, cal, m, bm, bn, ids, elem, kernel_cost, kernel_name)
+        side["model_calibrated"] = calibrated_summary(point, c_pa)
+        side["rel_error_calibrated"] = {"tau": point.tau / (t_moe / t_fa) - 1.0, "t_moe": point.t_moe / t_moe - 1.0,
+                                        "t_dense": point.t_dense / t_fa - 1.0,
+                                        "tau_densepa": (c_pa / point.t_dense) / (t_pa / t_fa) - 1.0}
+        if kernel_cost is not None and "RaMP" in point.cost_model:  # the curve's answer too, for comparison
+            curve, _ = predict_calibrated(shape, cal, m, bm, bn, ids, elem)
+            side["model_calibrated_curve"] = {"tau": curve.tau, "t_moe_us": curve.t_moe * 1e6,
+                                              "rel_error_tau": curve.tau / (t_moe / t_fa) - 1.0}
+    return side
+
+
+def calibrated_summary(point: TaxPoint, t_densepa: float) -> dict:
+    return {"tau": point.tau, "tau_densepa": t_densepa / point.t_dense, "t_moe_us": point.t_moe * 1e6,
+            "t_densefa_us": point.t_dense * 1e6, "t_densepa_us": t_densepa * 1e6, "regime": point.regime,
+            "e_active": point.e_active, "eta": point.eta, "block_size": point.block_size,
+            "cost_model": point.cost_model}
+
+
+def _peak_side(shape, hw, elem, m, res, dense_us, ids) -> dict:
+    """The 100 %-peak model's numbers for this point, the measured ratios and their errors."""
     point, t_pa, t_anc = predict(shape, hw, m, res["config"]["bm"], ids, elem)
     t_moe = res["t_moe_us"]["median"] * 1e-6
     t_fa = dense_us["densefa", m]["median"] * 1e-6

@@ -1,5 +1,6 @@
-"""The MoE serving tax (the paper Demystifying the MoE Serving Tax): an analytical model, padding, balls-bins-buckets
-simulation, communication volumes, expert load balancing, and a report.
+"""The MoE serving tax (the paper Demystifying the MoE Serving Tax): an analytical model (at 100 % of the peaks,
+and calibrated per GPU), padding, balls-bins-buckets simulation, communication volumes, expert load balancing,
+and a report.
 
     from moekit.tax import TaxModel, tax_report
     print(tax_report("mixtral-8x7b", "H200"))
@@ -26,8 +27,11 @@ from .eplb import (
     padding_aware_placement,
     replicate_experts,
 )
+from .calibrated import CalibratedBlocks
+from .efficiency import (Calibration, Curve, LaunchCost, RouterCost, StreamCost, adapt_calibration,
+                         load_calibration, nearest_calibration, save_calibration)
 from .hardware import PRESETS as HARDWARE_PRESETS
-from .hardware import Hardware, get_hardware, load_hardware, with_overrides
+from .hardware import Hardware, get_hardware, gpu_key, load_hardware, with_overrides
 from .model import (
     PARALLELISMS,
     PHASES,
@@ -40,6 +44,7 @@ from .model import (
     compare,
     format_compare,
     rebatch,
+    tax_shape,
     unit_costs,
 )
 from .padding import (
@@ -59,9 +64,12 @@ from .topk import as_topk_array, sample_routing, zipf_popularity
 __all__ = [
     # model
     "TaxModel", "TaxPoint", "UnitCosts", "unit_costs", "AttentionSpec", "attention_spec",
-    "compare", "format_compare", "rebatch", "PARALLELISMS", "PHASES", "REGIMES",
+    "compare", "format_compare", "rebatch", "tax_shape", "PARALLELISMS", "PHASES", "REGIMES",
     # hardware
-    "Hardware", "HARDWARE_PRESETS", "get_hardware", "load_hardware", "with_overrides",
+    "Hardware", "HARDWARE_PRESETS", "get_hardware", "load_hardware", "with_overrides", "gpu_key",
+    # the calibrated model
+    "Calibration", "Curve", "LaunchCost", "StreamCost", "RouterCost", "CalibratedBlocks", "load_calibration",
+    "save_calibration", "adapt_calibration", "nearest_calibration",
     # padding and activation
     "round_up", "padded_work", "eta", "active_experts", "expected_active_experts",
     "expected_padded_work", "expected_eta", "max_load_bounds",

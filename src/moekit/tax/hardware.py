@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from moekit.jsonfile import read_json
 
+from .gpus import DATASHEET, gpu_key  # noqa: F401  (re-exported)
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -29,8 +31,11 @@ class Hardware:
     net_bw: float  # bytes/s per GPU and direction, BW_net
     net_latency: float  # seconds per peer message (the alpha of an alpha-beta model)
     sources: dict = field(default_factory=dict, compare=False)  # field -> where it came from
+    sms: int | None = None  # streaming multiprocessors (wave quantization of the calibrated model); None: unknown
 
     def __post_init__(self) -> None:
+        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1):
+            raise ValueError(f"Hardware.sms must be None or an int >= 1, got {self.sms!r}")
         for name in ("hbm_bw", "peak_flops", "net_bw"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
@@ -73,6 +78,7 @@ PRESETS: dict[str, Hardware] = {
                 "hbm_bw": "MoE-tax paper, section 5.3", "peak_flops": "MoE-tax paper, section 5.3",
                 "net_bw": "datasheet NVLink3, one direction", "net_latency": "assumed",
             },
+            sms=108,
         ),
         Hardware(
             "H100", hbm_bw=3.0e12, peak_flops=989e12, net_bw=450e9, net_latency=_ASSUMED_LATENCY,
@@ -80,6 +86,7 @@ PRESETS: dict[str, Hardware] = {
                 "hbm_bw": "measured, HBM copy", "peak_flops": "datasheet SXM dense bf16",
                 "net_bw": "datasheet NVLink4, one direction", "net_latency": "assumed",
             },
+            sms=132,
         ),
         Hardware(
             "H200", hbm_bw=4.3e12, peak_flops=790e12, net_bw=372e9, net_latency=_ASSUMED_LATENCY,
@@ -87,6 +94,7 @@ PRESETS: dict[str, Hardware] = {
                 "hbm_bw": "measured, HBM copy", "peak_flops": "measured, bf16 matmul",
                 "net_bw": "measured, NVLink peer copy", "net_latency": "assumed",
             },
+            sms=132,
         ),
         Hardware(
             "B200", hbm_bw=8.0e12, peak_flops=2250e12, net_bw=900e9, net_latency=_ASSUMED_LATENCY,
@@ -94,12 +102,12 @@ PRESETS: dict[str, Hardware] = {
                 "hbm_bw": "datasheet", "peak_flops": "datasheet dense bf16",
                 "net_bw": "datasheet NVLink5, one direction", "net_latency": "assumed",
             },
+            sms=148,
         ),
     )
 }
 
 _NUMERIC_KEYS = ("hbm_bw", "peak_flops", "net_bw", "net_latency")
-
 
 def load_hardware(path: str | os.PathLike) -> Hardware:
     """Read hardware parameters from a JSON object.
@@ -107,16 +115,21 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
     Keys: ``name`` (str), ``base`` (optional preset name whose values fill the gaps) and
     any of ``hbm_bw`` (bytes/s), ``peak_flops`` (FLOP/s), ``net_bw`` (bytes/s),
     ``net_latency`` (s). Every value given is marked "measured, <file>" in ``sources``.
+    A calibration file (``moekit tax calibrate``) is read too: its measured ceilings.
     Anything malformed raises ValueError naming the file.
     """
     path = os.fspath(path)
     data = read_json(path, "hardware file")  # plain JSON: no code can run while loading
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    if data.get("format") is not None:  # a calibration file (`moekit tax calibrate`): its measured ceilings
+        from .efficiency import calibration_from_dict
 
-    unknown = set(data) - {"name", "base", *_NUMERIC_KEYS}
+        return calibration_hardware(calibration_from_dict(data, path))
+
+    unknown = set(data) - {"name", "base", "sms", *_NUMERIC_KEYS}
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, {', '.join(_NUMERIC_KEYS)}")
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, sms, {', '.join(_NUMERIC_KEYS)}")
 
     base_name = data.get("base")
     if base_name is not None:
@@ -141,10 +154,21 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
                 raise ValueError(f"{path}: {key} must be a number, got {value!r}")
             values[key] = float(value)
             values["sources"][key] = f"measured, {os.path.basename(path)}"
+    if "sms" in data:
+        values["sms"] = data["sms"]  # checked by Hardware
     try:
         return Hardware(**values)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def calibration_hardware(cal) -> Hardware:
+    """The four numbers of the 100 %-peak model from a calibration's measured ceilings."""
+    ceilings = cal.sources.get("ceilings", "calibration")
+    network = cal.sources.get("network", "calibration file")
+    return Hardware(cal.name, cal.hbm_bw, cal.peak_flops, cal.net_bw, cal.net_latency,
+                    sources={"hbm_bw": ceilings, "peak_flops": ceilings, "net_bw": network, "net_latency": network},
+                    sms=cal.sms)
 
 
 def get_hardware(spec: str | os.PathLike | Hardware) -> Hardware:

@@ -40,6 +40,8 @@ from ..jsonfile import read_json
 from ..shapes import MoEShape, get_shape
 from . import comm
 from .bbb import expert_counts, loads_from_counts
+from .calibrated import CalibratedBlocks, KernelCost, default_tile_n
+from .efficiency import Calibration
 from .hardware import Hardware, get_hardware
 from .padding import expected_active_experts, expected_eta
 from .placement import Placement
@@ -48,6 +50,28 @@ from .topk import as_topk_array, sample_routing
 PARALLELISMS = ("TP+TP", "TP+EP", "DP+EP")
 PHASES = ("prefill", "decode")
 REGIMES = ("memory-bound", "transition", "compute-bound")
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def tax_shape(name: str | MoEShape) -> MoEShape:
+    """A preset MoE shape by name, or ``<preset>-tp<n>``: one GPU's shard of the preset under n-way
+    tensor parallelism (every routed and shared expert ``n`` times narrower, e.g.
+    ``deepseek-v3-tp8``: N = 2048 / 8 = 256). ValueError for an unknown name or an n that does
+    not divide the widths."""
+    if isinstance(name, MoEShape):
+        return name
+    text = str(name).strip()
+    base, sep, tp = text.rpartition("-tp")
+    if sep and base and tp.isdigit():
+        shape, n = get_shape(base), int(tp)
+        if n < 1 or shape.intermediate % n or shape.shared_intermediate % n:
+            raise ValueError(f"{text}: tp{n} must divide the expert widths of {base} "
+                             f"({shape.intermediate}, shared {shape.shared_intermediate})")
+        return shape.scaled(name=text, intermediate=shape.intermediate // n,
+                            shared_intermediate=shape.shared_intermediate // n)
+    return get_shape(text)
 
 
 # --------------------------------------------------------------------------- unit costs
@@ -175,6 +199,7 @@ class TaxPoint:
     block_size: int
     regime_ratio: float  # the paper's closed form of T_MoE,c/T_FFN,c for this regime
     compute_ratio: float  # T_MoE,c / T_FFN,c as computed (no T_anc, T_AR, AllToAll)
+    cost_model: str = "100% peaks"  # what priced the blocks: the paper's roofline, or the calibration
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -200,7 +225,14 @@ class TaxModel:
     * ``anc_kernels``, ``kernel_latency``: T_anc = kernels * latency + the HBM traffic of
       router and output sum; ``weight_bytes``, ``act_bytes``, ``dispatch_bytes``,
       ``combine_bytes``; ``include_shared``;
-    * ``trials``, ``seed``: Monte Carlo batches for expert parallelism under uniform routing.
+    * ``trials``, ``seed``: Monte Carlo batches for expert parallelism under uniform routing;
+    * ``calibration``: a :class:`~moekit.tax.efficiency.Calibration` for this GPU (already moved
+      to it, see ``adapt_calibration``): blocks are priced as the launches they run at their
+      calibrated efficiencies (``moekit.tax.calibrated``) instead of at 100 % of the peaks;
+      ``kernel_cost`` (with ``kernel_name``): a routing-aware cost of the expert kernel that
+      replaces the grouped curve where it covers the call; ``tile_n``: the kernel's column
+      tile (None: moekit's default for the token block). Without a calibration the model is
+      the paper's roofline and these are ignored.
     """
 
     def __init__(
@@ -225,8 +257,12 @@ class TaxModel:
         include_shared: bool = True,
         trials: int = 64,
         seed: int = 0,
+        calibration: Calibration | None = None,
+        kernel_cost: KernelCost | None = None,
+        kernel_name: str | None = None,
+        tile_n: int | None = None,
     ) -> None:
-        self.shape = get_shape(shape) if isinstance(shape, str) else shape
+        self.shape = tax_shape(shape)
         self.hw = get_hardware(hardware)
         if n_gpus < 1:
             raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
@@ -246,6 +282,13 @@ class TaxModel:
         )
         self.trials, self.seed = int(trials), seed
         self._mc_cache: dict = {}
+        if tile_n is not None and tile_n < 1:
+            raise ValueError(f"tile_n must be >= 1 or None, got {tile_n}")
+        self.tile_n = tile_n
+        self.calibration = calibration
+        self.blocks = None if calibration is None else CalibratedBlocks(
+            calibration, self.shape, elem=weight_bytes, kernel_cost=kernel_cost, kernel_name=kernel_name)
+        self.cost_model = "100% peaks" if calibration is None else f"calibrated ({calibration.name})"
 
     # ----------------------------------------------------------------- building blocks
 
@@ -270,7 +313,10 @@ class TaxModel:
         return comm.allreduce_time(m, self.shape.hidden, self.act_bytes, self.hw, self.n)
 
     def ancillary(self, m: float) -> float:
-        """T_anc: router, top-k, align, sum: launch latency plus their HBM traffic."""
+        """T_anc: router, top-k, align, sum: launch latency plus their HBM traffic (calibrated:
+        the router's measured cost; the alignment and sum are in the expert kernel's)."""
+        if self.blocks is not None:
+            return float(self.blocks.router(m))
         traffic = self.act_bytes * m * self.shape.hidden * (self.shape.top_k + 2)
         return self.anc_kernels * self.kernel_latency + traffic / self.hw.hbm_bw
 
@@ -280,8 +326,29 @@ class TaxModel:
         experts = K gives DenseFA, E gives DensePA (shared experts added to both).
         """
         width = (self.shape.top_k if experts is None else experts) + self.costs.k_shared
-        t, _, _ = self._roofline(width / self.n, m * width / self.n)
+        t, _, _ = self._dense_sides(m, width)
         return float(t) + self.allreduce(m)
+
+    def _dense_sides(self, m: float, width: float):
+        """(t, mem, compute) of a dense FFN of ``width`` expert widths on one of the n GPUs."""
+        if self.blocks is not None:
+            return self.blocks.dense(m, width * self.shape.intermediate / self.n)
+        return self._roofline(width / self.n, m * width / self.n)
+
+    def _moe_sides(self, active, padded, tokens, shards: int, shared_w, shared_rows, block: int, counts=None):
+        """(t, mem, compute, how) of the expert computation on one GPU: ``active`` routed experts
+        of width N / ``shards``, ``padded`` rows, and the shared experts as ``shared_w``
+        expert-equivalents of weights over ``shared_rows`` rows (the paper's roofline), or the
+        same launches at their calibrated cost (``tokens``: what the expert kernel sees);
+        ``how`` says what priced the experts."""
+        if self.blocks is None:
+            t, mem, comp = self._roofline(np.asarray(active) / shards + shared_w,
+                                          np.asarray(padded) / shards + shared_rows)
+            return t, mem, comp, self.cost_model
+        n_e = self.shape.intermediate
+        shared_tokens = np.asarray(shared_rows) / shared_w if shared_w else np.zeros_like(np.asarray(tokens, float))
+        return self.blocks.moe(active, padded, tokens, n_e / shards, shared_w * n_e, shared_tokens,
+                               block, self.tile_n or default_tile_n(block), counts)
 
     def attention_time(self, m: float, phase: str, shards: int) -> float:
         """Non-FFN time of one layer for m tokens, attention weights split ``shards`` ways."""
@@ -374,7 +441,10 @@ class TaxModel:
         shp, c = self.shape, self.costs
         mk = m * shp.top_k
         eta_const = self._eta_const(phase)
-        if routing is None and self.padding in ("blockwise", "none") and eta_const is None:
+        counts = None
+        # A routing-aware kernel cost needs token counts per expert, so it samples them.
+        exact = not (self.blocks is not None and self.blocks.kernel_cost is not None and self.n == 1)
+        if routing is None and self.padding in ("blockwise", "none") and eta_const is None and exact:
             e_act = np.array([expected_active_experts(shp.num_experts, shp.top_k, m)])
             block = self.block_size_for(m, float(e_act[0]))
             eta = np.array([expected_eta(shp.num_experts, shp.top_k, m, block, self.padding)])
@@ -389,9 +459,16 @@ class TaxModel:
                 eta = stats.padded[:, 0] / np.maximum(stats.total, 1)
             mk = counts.sum(axis=1).astype(np.float64)
 
-        weights = (e_act + c.k_shared) / self.n  # eq. 4: 1/n_tp of every loaded expert
-        t_full, mem, comp = self._roofline(weights, (eta * mk + c.k_shared * m) / self.n)
-        t_nopad, _, _ = self._roofline(weights, (mk + c.k_shared * m) / self.n)
+        how = self.cost_model
+        if self.blocks is None:
+            weights = (e_act + c.k_shared) / self.n  # eq. 4: 1/n_tp of every loaded expert
+            t_full, mem, comp = self._roofline(weights, (eta * mk + c.k_shared * m) / self.n)
+            t_nopad, _, _ = self._roofline(weights, (mk + c.k_shared * m) / self.n)
+        else:  # every GPU runs 1/n of every expert's columns on all m tokens
+            shared = (c.k_shared / self.n, c.k_shared * m / self.n)
+            t_full, mem, comp, how = self._moe_sides(e_act, eta * mk, m, self.n, *shared, block,
+                                                     counts if self.n == 1 else None)
+            t_nopad, _, _, _ = self._moe_sides(e_act, mk, m, self.n, *shared, block)
         anc, ar = self.ancillary(m), self.allreduce(m)
         t_other_tp, _ = self.other_times(m, phase)
         steps = {  # sequential removal of each source; the remainder is weight loading
@@ -403,7 +480,7 @@ class TaxModel:
             moe_mem=float(np.mean(mem)), moe_comp=float(np.mean(comp)),
             e_active=float(np.mean(e_act)), eta=float(np.mean(eta)), straggler=1.0,
             padded_straggler=float(np.mean(eta)), block=block,
-            moe_compute=float(np.mean(t_full)),
+            moe_compute=float(np.mean(t_full)), how=how,
         )
 
     # TP+EP (eq. 5) and DP+EP (eqs. 6-7): GPU g holds E/n experts; the slowest GPU sets
@@ -433,7 +510,9 @@ class TaxModel:
             a2a_d = a2a_c = np.zeros_like(routed)
 
         def per_gpu(active_, padded_, a2a_d_, a2a_c_, shared=(shared_w, shared_rows)):
-            t, mem, comp = self._roofline(active_ + shared[0], padded_ + shared[1])
+            # The expert kernel of GPU g sees the rows routed to it (as a dispatcher delivers them).
+            t, mem, comp, _ = self._moe_sides(active_, padded_, np.maximum(padded_, 1.0), 1, shared[0], shared[1],
+                                              block)
             return t + a2a_d_ + a2a_c_, t, mem, comp
 
         full, t_c, mem, comp = per_gpu(active, padded, a2a_d, a2a_c)
@@ -494,7 +573,7 @@ class TaxModel:
 
         # Dense FFN sides, for the regime (the 1/n_tp cancels in the comparisons).
         width = shp.top_k + c.k_shared
-        _, dense_mem, dense_comp = self._roofline(width / self.n, m * width / self.n)
+        _, dense_mem, dense_comp = self._dense_sides(m, width)
         moe_mem_bound = parts["moe_mem"] >= parts["moe_comp"]
         dense_mem_bound = float(dense_mem) >= float(dense_comp)
         if moe_mem_bound:
@@ -530,6 +609,8 @@ class TaxModel:
             straggler=parts["straggler"], padded_straggler=parts["padded_straggler"],
             block_size=int(parts["block"]), regime_ratio=regime_ratio,
             compute_ratio=parts["moe_compute"] / dense_c,
+            cost_model=self.cost_model if self.blocks is None else
+            f"{self.cost_model}; experts: {parts.get('how') or self.blocks.experts_source}",
         )
 
 
