@@ -671,11 +671,16 @@ def _resumed(spec: ProfileSpec, shape: MoEShape, routed: int, configs: list[Kern
     ours = [make_routing(shape, routed, p).counts for p in points]
     if any(not np.array_equal(a, p.counts) for a, p in zip(ours, t.points)):
         raise ValueError(f"{where}: its routing differs from this profile's (another seed?)")
+    return t, complete_token_counts(t, meta)
+
+
+def complete_token_counts(t: Timings, meta: dict) -> list[int]:
+    """The token counts a profile's timings file completed (every configuration tried at
+    them): recorded by the profile; for a file written before that, those measured throughout."""
     done = meta.get("params", {}).get("complete_m")
-    if done is None:  # a file written before complete_m was recorded: the token counts measured throughout
-        done = sorted({p.M for p in t.points} - {p.M for j, p in enumerate(t.points)
-                                                 if not np.isfinite(t.times[j]).all()})
-    return t, sorted(int(m) for m in done)
+    if done is None:
+        done = {p.M for p in t.points} - {p.M for j, p in enumerate(t.points) if not np.isfinite(t.times[j]).all()}
+    return sorted(int(m) for m in done)
 
 
 def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], None] = print,
