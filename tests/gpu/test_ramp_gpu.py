@@ -239,7 +239,11 @@ def test_captured_auto_call_replays_the_static_choice(models_dir, fitted):
         w.copy_(r[1])
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, fused_moe(x, w13, w2, ids, w, s.static_choice(M)))
+        want = fused_moe(x, w13, w2, ids, w, s.static_choice(M))
+        if fitted:  # the model's configs are decode-schedule ones: bitwise reproducible
+            assert torch.equal(out, want)
+        else:  # default_config splits K with float32 atomics: equal up to their summation order
+            torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
     assert s.host_reads == 0
 
 
