@@ -211,3 +211,18 @@ def test_fused_experts_default_mode_is_the_kernels_default():
     assert m.last_config == expert_major_default(CAPACITY, False)
     want = fused_moe_expert_major(tokens, counts, w13, w2, None)
     assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+
+
+def test_expert_major_fallback_keeps_the_schedule_that_follows_the_counts(models_dir):
+    """Region B (split-K templates for the token path): the expert-major fallback offers only
+    two_launch with split_k = 1, the schedule whose cost follows the counts."""
+    with pytest.warns(UserWarning, match="--top-k K --hidden 7168"):
+        s = sel.selector_for(8, None, 7168, 2048, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                             capacity=64)
+    from moekit.ramp.fallback import templates
+
+    assert any(c.split_k > 1 for c in templates(s.shape, s.hardware))
+    assert s.fallback and s.configs and all(c.form == "two_launch" and c.split_k == 1 for c in s.configs)
+    assert s.static_choice(64) == expert_major_default(64, False)
+    counts = torch.tensor([64, 0, 3, 17, 64, 1, 0, 9], dtype=torch.int32)
+    assert s.select(counts=counts, M=64) in s.configs

@@ -368,6 +368,9 @@ class Selector:
         self.fallback = model is None
         if self.fallback:
             self.configs = templates(shape, self.hardware, self.dtype)
+            if family == "expert_major":  # the schedule that follows the counts (kernels.expert_major)
+                self.configs = [c for c in self.configs if c.form == "two_launch" and c.split_k == 1] or \
+                    [self.static_fallback()]
             if warn:
                 warnings.warn(profile_hint(shape, self.hardware.key, self.dtype_name, family,
                                            known_top_k=not any_top_k), stacklevel=3)
@@ -476,6 +479,16 @@ class Selector:
         self.last = config
         return config
 
+    def static_fallback(self, M: int | None = None) -> KernelConfig:
+        """The kernel's own default for M (the capacity for the expert-major family)."""
+        if self.family == "expert_major":
+            from moekit.kernels.expert_major import expert_major_default
+
+            return expert_major_default(self.capacity or M or 1, self.dtype == _FP8)
+        from moekit.kernels.configs import default_config
+
+        return default_config(M or 1, self.shape, dtype=self.dtype)
+
     def static_choice(self, M: int) -> KernelConfig:
         """The configuration for token count (or capacity) ``M`` whatever the routing, computed
         on the host alone, once per M: with a fitted model, the least mean predicted time over
@@ -487,15 +500,8 @@ class Selector:
             hit = self._static.get(M)
         if hit is not None:
             return hit
-        fp8 = self.dtype == _FP8
-        if self.fallback and self.family == "expert_major":
-            from moekit.kernels.expert_major import expert_major_default
-
-            config = expert_major_default(self.capacity or M, fp8)
-        elif self.fallback:
-            from moekit.kernels.configs import default_config
-
-            config = default_config(M, self.shape, dtype=self.dtype)
+        if self.fallback:
+            config = self.static_fallback(M)
         else:
             from moekit.ramp.graphs import routing_sweep
 
