@@ -111,8 +111,9 @@ def run_fit(args) -> int:
             "mean": r.mean, "max": r.max, "complete_mean": r.complete_mean, "complete_max": r.complete_max}}
         for by, what in (("M", "token count"), ("beta", "balancedness")):
             h = report[f"leave_one_{by}_out"] = held_out(t, hw, by=by, family=family, capacity=capacity)
+            complete = h["points"] - h["partial"]
             print(f"leave one {what} out: mean {h['mean'] * 100:.2f} %, max {h['max'] * 100:.1f} % over {h['points']} "
-                  f"points; over the {h['points'] - h['partial']} complete ones: mean {h['complete_mean'] * 100:.2f} %, "
+                  f"points; over the {complete} complete ones: mean {h['complete_mean'] * 100:.2f} %, "
                   f"max {h['complete_max'] * 100:.1f} %")
             for g, row in h["groups"].items():
                 note = f" ({row['partial']} partial, choice unmeasured at {row['unmeasured_choices']})" \
@@ -202,7 +203,8 @@ def register(sub) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed replays per (config, point)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     p.add_argument("--compile-workers", type=int, default=None, help="processes compiling kernels ahead (default: the cores)")
-    p.add_argument("--deadline-s", type=float, default=None, help="stop starting new points after this many seconds")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no config after this many seconds (what was timed is saved: --resume goes on)")
     p.add_argument("--prune", type=float, default=None, help="keep configs within this factor of some point's best")
     p.add_argument("--config-stride", type=int, default=1, help="time every n-th config (to split a profile over calls)")
     p.add_argument("--config-offset", type=int, default=0, help="... starting at this one")

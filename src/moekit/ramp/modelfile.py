@@ -175,7 +175,8 @@ def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | No
                family: str | None = None, check_space: bool = True,
                match_top_k: bool = True) -> tuple[CostModel, dict]:
     """Read a model file; with ``shape`` / ``gpu`` / ``dtype`` / ``family`` given, check that it
-    was made for them (E, K, H, N must agree, K only with ``match_top_k``; the name need not). ``check_space``: every config
+    was made for them (E, K, H, N must agree -- K only with ``match_top_k`` -- the name need
+    not). ``check_space``: every config
     must belong to today's ``config_space`` for the shape (a model of another kernel version
     would otherwise choose a config this kernel does not offer)."""
     path = Path(path)

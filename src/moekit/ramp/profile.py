@@ -16,9 +16,10 @@ schedule that follows a dispatcher's counts) runs at every point:
 
 The fit (:func:`moekit.ramp.costmodel.fit`) and the model file
 (:func:`moekit.ramp.modelfile.save_model`) follow; the raw timings are written too
-(:func:`save_timings`), so a model can be refitted -- another form, the ablation -- on any
-machine. ``--deadline-s`` stops starting token counts that would end past it (what is measured
-is kept and fitted).
+(:func:`save_timings`, after every token count), so a model can be refitted -- another form,
+the ablation -- on any machine. ``--deadline-s`` starts no configuration past it (what is
+measured is kept and fitted; within a token count the configs go in :func:`timing_order`), and
+``--resume`` on those timings keeps the token counts they completed and times the rest.
 
 Without a GPU (``--tiny``) the same pipeline runs in Triton's interpreter on tiny shapes,
 timed with the host clock: meaningless numbers, for the tests.
@@ -709,7 +710,8 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
         f"{len(configs)} configs x {len(points)} points; est. {est:.0f} s")
     kept, done = _resumed(spec, shape, routed, configs, points) if spec.resume else (None, [])
     if done:
-        log(f"resuming {spec.resume}: token counts {done} are measured there; timing {sorted({p.M for p in points} - set(done))}")
+        log(f"resuming {spec.resume}: token counts {done} are measured there; "
+            f"timing {sorted({p.M for p in points} - set(done))}")
     tpath = None if out_dir is None else \
         Path(out_dir) / f"profile-{hw.key}-{shape.name}-{spec.dtype}-{spec.family}-timings.json.gz"
     capacity = spec.capacity if spec.family == "expert_major" else None
@@ -725,8 +727,8 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
     def save(t: Timings, complete_m: list) -> None:
         # The raw timings first, after every token count: whatever happens next (the fit, the
         # call's time limit), what was measured is kept, and --resume can go on from it.
-        save_timings(merged(t), tpath, params={"profile": asdict(spec), "complete_m": sorted(set(done) | set(complete_m))},
-                     family=spec.family, capacity=capacity)
+        params = {"profile": asdict(spec), "complete_m": sorted(set(done) | set(complete_m))}
+        save_timings(merged(t), tpath, params=params, family=spec.family, capacity=capacity)
 
     run = timer.run(configs, points, skip_m=frozenset(done), after_group=save if tpath is not None else None)
     t = merged(run.timings)

@@ -465,7 +465,6 @@ class Selector:
                 self._cache[M] = config
         return config
 
-
     def auto(self, M: int, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
              layer=None) -> KernelConfig:
         """What ``config="auto"`` runs: :meth:`select` (one host read per step), except inside a
@@ -525,8 +524,8 @@ def profile_hint(shape: MoEShape, gpu: str, dtype: str, family: str, known_top_k
     name = model_filename(gpu, shape, dtype, family)
     if not known_top_k:
         name = name.replace(f"-K{shape.top_k}-", "-K<any>-")
-    return (f"moekit.ramp: no fitted model for E={shape.num_experts}{f' K={k}' if known_top_k else ''} H={shape.hidden} "
-            f"N={shape.intermediate} {dtype} on {gpu} ({name}); the "
+    dims = f"E={shape.num_experts}{f' K={k}' if known_top_k else ''} H={shape.hidden} N={shape.intermediate}"
+    return (f"moekit.ramp: no fitted model for {dims} {dtype} on {gpu} ({name}); the "
             "configuration comes from the region analysis, which is slower than a fitted model. Profile it "
             f"on this GPU (~10-25 min): moekit ramp profile --experts {shape.num_experts} --top-k {k} "
             f"--hidden {shape.hidden} --intermediate {shape.intermediate} --dtype {dt}{fam} --out-dir DIR, "
