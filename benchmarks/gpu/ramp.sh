@@ -50,8 +50,10 @@ dtype=${1:-bf16}; shift || true
 family=${1:-token}; shift || true
 case "$stage" in profile|eval) ;; *) echo "usage: ramp.sh profile|eval [SHAPE] [DTYPE] [FAMILY] [options]" >&2; exit 2;; esac
 dt=$([ "$dtype" = fp8 ] && echo float8_e4m3fn || echo bfloat16)
-gpu=$(python3 -c 'import torch; from moekit.ramp.regions import hardware_for; print(hardware_for(device=torch.device("cuda")).key)')
+gpu=${RAMP_GPU:-$(python3 -c 'import torch; from moekit.ramp.regions import hardware_for; print(hardware_for().key)')}
 timings="$WORK/profile-$gpu-$shape-$dt-$family-timings.json.gz"
+model="$WORK/$(python3 -c 'import sys; from moekit.ramp.modelfile import model_filename; from moekit.ramp.profile import resolve_shape
+print(model_filename(sys.argv[1], resolve_shape(sys.argv[2])[0], sys.argv[3], sys.argv[4]))' "$gpu" "$shape" "$dt" "$family")"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "sm", torch.cuda.get_device_capability())'
@@ -61,10 +63,9 @@ timings="$WORK/profile-$gpu-$shape-$dt-$family-timings.json.gz"
     [ -f "$timings" ] && resume=(--resume "$timings")
     python3 -m moekit.cli ramp profile --shape "$shape" --dtype "$dtype" --family "$family" \
         --deadline-s "${RAMP_PROFILE_DEADLINE_S:-480}" --out-dir "$OUT" "${resume[@]}" "$@" || exit 1
-    cp "$OUT"/profile-*-timings.json.gz "$OUT"/"$gpu"-"$dt"-"$family"-*.json "$WORK"/
+    cp "$OUT/$(basename "$timings")" "$OUT/$(basename "$model")" "$WORK"/
   else
-    model=$(ls "$WORK"/"$gpu"-"$dt"-"$family"-*.json 2>/dev/null | head -1)
-    if [ -z "$model" ] || [ ! -f "$timings" ]; then
+    if [ ! -f "$model" ] || [ ! -f "$timings" ]; then
       echo "ramp.sh eval: no profile of $shape $dtype $family on $gpu in $WORK: run the profile stage first (carry build/ramp)" >&2
       exit 1
     fi
