@@ -14,7 +14,8 @@
 # (the model file and profile-*-timings.json.gz, also in $OUT) into build/ramp/ here and run
 # the next call with carry=["build/ramp"]. A profile call that hit its deadline is run again
 # the same way: it keeps the token counts it completed (moekit ramp profile --resume) and times
-# the rest. The eval call refuses a profile that is not complete.
+# the rest. The eval call refuses a profile that is not complete. RAMP_WORK moves the state
+# folder; RAMP_GPU (h100 | h200) overrides the GPU key read from the device.
 #
 # Time, from this project's H100 run (qwen3-30b-a3b bf16, 317 configs, 10 timed replays; the
 # 51b074d H200 dataset's logs agree within ~20 %):
