@@ -1,5 +1,10 @@
 """RaMP on a GPU: the auto choice runs exactly the chosen config, one host read per step, the
-Triton selection agrees with torch's, and the CUDA-graph path replays correctly with new routing."""
+Triton selection agrees with torch's, and the CUDA-graph path replays correctly with new routing.
+
+``config="auto"`` through the kernels' entries and ``FusedExperts``: the call runs the config
+the selector chose (bitwise), the routing decides it, a step reads the host once, and a call
+captured in a CUDA graph (after one warm-up call) replays the static choice with new routing,
+reading nothing back (a host read inside a capture would fail it)."""
 
 from __future__ import annotations
 
@@ -12,10 +17,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from moekit.kernels import KernelConfig, config_space, fused_moe  # noqa: E402
+from moekit.kernels import KernelConfig, config_space, expert_major_default, fused_moe  # noqa: E402
+from moekit.kernels import fused_moe_expert_major  # noqa: E402
+from moekit.moe import FusedExperts  # noqa: E402
 from moekit.ramp import costmodel as cm  # noqa: E402
 from moekit.ramp import graphs  # noqa: E402
 from moekit.ramp import select as sel  # noqa: E402
+from moekit.ramp.modelfile import model_filename, save_model  # noqa: E402
 from moekit.ramp.regions import hardware_for  # noqa: E402
 from moekit.routing import synthetic_routing  # noqa: E402
 from moekit.shapes import MoEShape  # noqa: E402
@@ -29,9 +37,10 @@ DECODE = [KernelConfig(bm=16, bn=32, bk=128, num_warps=4, num_stages=3),
           KernelConfig(bm=32, bn=64, bk=64, num_warps=4, num_stages=3)]
 
 
-def _model(configs, coefs) -> cm.CostModel:
+def _model(configs, coefs, family: str = "token", capacity=None) -> cm.CostModel:
     """A model whose variant i costs coefs[i] = (alpha, epsilon): alpha + epsilon * named experts."""
-    model = cm.CostModel(SHAPE, hardware_for(device=DEV), list(configs), cm.ModelForm(), {})
+    model = cm.CostModel(SHAPE, hardware_for(device=DEV), list(configs), cm.ModelForm(), {}, family=family,
+                         capacity=capacity)
     for i, c in enumerate(configs):
         for M in (1, c.bm + 1):
             path = model.plan(i, M).path
@@ -126,3 +135,132 @@ def test_graph_path_replays_with_new_routing(mode):
         assert torch.equal(out, fused_moe(x, w13, w2, ids, w, DECODE[pos]))
         chosen.add(pos)
     assert chosen == {0, 1}
+
+
+# -- config="auto" through the kernels' entries and FusedExperts ----------------------------------
+
+CAPACITY = 32
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    """A model directory searched first (empty unless a test writes one); the process-wide
+    selectors forgotten around the test."""
+    monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))
+    sel._SELECTORS.clear()
+    yield tmp_path
+    sel._SELECTORS.clear()
+
+
+def _save(model: cm.CostModel, where) -> None:
+    save_model(model, where / model_filename(model.hardware.key, SHAPE, "bfloat16", model.family), dtype="bfloat16")
+
+
+def _named(ids) -> int:
+    return int((sel.histogram(ids, SHAPE.num_experts) > 0).sum())
+
+
+def test_auto_entry_runs_the_chosen_config_and_reads_once_per_step(models_dir):
+    _save(_model(DECODE, [(10, 4), (42, 0), (1000, 0)]), models_dir)
+    x, w13, w2 = _inputs(8, seed=2)
+    fused_moe(x, w13, w2, *_routing(8, 1.0, 0), config="auto")  # the first call at M: the static choice
+    s = sel.selector_for(SHAPE.num_experts, SHAPE.top_k, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
+                         device=DEV)
+    assert not s.fallback and s.host_reads == 0
+    seen = set()
+    for seed, beta in enumerate((1.0, 0.35, 0.8, 0.4)):
+        ids, w = _routing(8, beta, seed)  # the routings of test_auto_runs_exactly_the_chosen_config: both configs
+        y = fused_moe(x, w13, w2, ids, w, config="auto")
+        assert s.last == DECODE[0 if 10 + 4 * _named(ids) < 42 else 1]
+        assert torch.equal(y, fused_moe(x, w13, w2, ids, w, s.last))
+        seen.add(s.last)
+    assert len(seen) == 2 and s.host_reads == 4  # outside a step: one read per call
+    with sel.step():
+        for layer in range(6):
+            fused_moe(x, w13, w2, *_routing(8, 0.4 + 0.1 * layer, 40 + layer), config="auto")
+    assert s.host_reads == 5
+
+
+def test_fused_experts_auto_reads_once_per_step(models_dir):
+    em = [c for c in DECODE if c.bm == 16]
+    _save(_model(em + [DECODE[2]], [(10, 2), (30, 0), (1000, 0)], "expert_major", CAPACITY), models_dir)
+    _, w13, w2 = _inputs(1, seed=3)
+    layers = [FusedExperts(w13, w2) for _ in range(4)]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
+    s = None
+    for step in range(3):
+        for k, layer in enumerate(layers):
+            named = 4 if (step + k) % 2 else 14
+            counts = torch.zeros(SHAPE.num_experts, dtype=torch.int32, device=DEV)
+            counts[:named] = torch.randint(1, CAPACITY + 1, (named,), generator=g, device=DEV, dtype=torch.int32)
+            y = layer(tokens, counts)
+            want = fused_moe_expert_major(tokens, counts, w13, w2, layer.last_config)
+            assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+        s = s or sel.selector_for(SHAPE.num_experts, None, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
+                                  device=DEV, family="expert_major", capacity=CAPACITY)
+        assert s.host_reads == step  # step 0: the static choice; then the step's first layer reads
+        assert len({m.last_config for m in layers}) == 1
+
+
+def _capture(fn):
+    """``fn`` warmed up once on a side stream (the first call at a token count: the static
+    choice, which loads its kernels), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("fitted", [True, False], ids=["model", "fallback"])
+def test_captured_auto_call_replays_the_static_choice(models_dir, fitted):
+    if fitted:
+        _save(_model(DECODE, [(10, 4), (42, 0), (1000, 0)]), models_dir)
+    M = 8
+    x, w13, w2 = _inputs(M, seed=5)
+    ids = torch.empty(M, SHAPE.top_k, dtype=torch.int64, device=DEV)
+    w = torch.empty(M, SHAPE.top_k, dtype=torch.float32, device=DEV)
+    r = _routing(M, 0.35, 50)
+    ids.copy_(r[0])
+    w.copy_(r[1])
+    graph, out = _capture(lambda: fused_moe(x, w13, w2, ids, w, config="auto"))
+    s = sel.selector_for(SHAPE.num_experts, SHAPE.top_k, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
+                         device=DEV)
+    assert s.fallback != fitted and s.host_reads == 0 and s.last == s.static_choice(M)
+    for seed, beta in enumerate((1.0, 0.35, 0.7)):
+        r = _routing(M, beta, 60 + seed)
+        ids.copy_(r[0])
+        w.copy_(r[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fused_moe(x, w13, w2, ids, w, s.static_choice(M))
+        if fitted:  # the model's configs are decode-schedule ones: bitwise reproducible
+            assert torch.equal(out, want)
+        else:  # default_config splits K with float32 atomics: equal up to their summation order
+            torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    assert s.host_reads == 0
+
+
+def test_captured_fused_experts_replay_the_static_choice(models_dir):
+    _, w13, w2 = _inputs(1, seed=6)
+    experts = FusedExperts(w13, w2)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
+    counts = torch.randint(0, CAPACITY + 1, (SHAPE.num_experts,), generator=g, device=DEV, dtype=torch.int32)
+    graph, out = _capture(lambda: experts(tokens, counts))
+    static = expert_major_default(CAPACITY, False)  # no model file: the kernel's default
+    assert experts.last_config == static
+    for _ in range(3):
+        tokens.copy_(torch.randn(tokens.shape, generator=g, device=DEV, dtype=torch.bfloat16))
+        counts.copy_(torch.randint(0, CAPACITY + 1, (SHAPE.num_experts,), generator=g, device=DEV,
+                                   dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fused_moe_expert_major(tokens, counts, w13, w2, static)
+        assert all(torch.equal(out[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))

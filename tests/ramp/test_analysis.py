@@ -47,3 +47,33 @@ def test_regret_of_choices_counts_untimed_as_slowest():
     t2 = Timings(SHAPE, 8, "bfloat16", cfgs + [KernelConfig(bm=64)], [Point(1, 1, 1, np.ones(8, int))],
                  np.array([[10.0, np.nan, 15.0]]))
     assert analysis.regret_of_choices(t2, [1]).tolist() == pytest.approx([0.5])
+
+
+@pytest.mark.parametrize("by", ["M", "beta"])
+def test_held_out_fits_without_each_group(by):
+    """Leave one token count / one balancedness out: each group's regret is that of a model
+    fitted on the other points and scored on the group (checked against doing it by hand)."""
+    from moekit.ramp import costmodel as cm
+
+    rng = np.random.default_rng(1)
+    shape = MoEShape("ho", num_experts=16, top_k=4, hidden=512, intermediate=256)
+    truth = synthetic_model(shape, config_space(shape)[::20], rng)
+    pts = grid(shape, rng, Ms=(1, 8, 40, 200))
+    for k, p in enumerate(pts):
+        p.beta = (1.0, 0.7, 0.4)[k % 3]
+    t = timings_from_model(truth, pts, noise=0.05, rng=rng)
+    t.times[[j for j, p in enumerate(pts) if p.M == 200][0], 1:] = np.nan  # a deadline at M = 200
+    hw = HARDWARE["h200"]
+    h = analysis.held_out(t, hw, by=by)
+    key = (lambda p: p.M) if by == "M" else (lambda p: p.beta)
+    groups = sorted({key(p) for p in pts})
+    assert list(h["groups"]) == [str(g) for g in groups] and h["points"] == len(pts)
+    measured = np.isfinite(t.times).any(axis=0)
+    for g in groups:
+        model = cm.fit(t.select_points(lambda p: key(p) != g), hw)
+        r = cm.regret(model, t.select_points(lambda p: key(p) == g), measured)
+        assert h["groups"][str(g)]["mean"] == pytest.approx(r.mean)
+        assert h["groups"][str(g)]["max"] == pytest.approx(r.max)
+    assert h["partial"] == 1
+    with pytest.raises(ValueError, match="by must be"):
+        analysis.held_out(t, hw, by="K")

@@ -122,3 +122,67 @@ def test_regret_skips_points_that_were_not_measured():
     assert np.isfinite(r_cut.mean) and np.isfinite(r_cut.max)
     assert len(r_cut.regrets) == len(pts) - 3
     assert len(cm.regret(cm.fit(t, truth.hardware), t).regrets) == len(pts)
+
+
+def test_a_column_constant_over_the_points_is_left_to_the_intercept():
+    """At one token count the routed pairs P are the same at every point: the fit cannot tell
+    their cost from the intercept, so it gives P nothing (the minimum-norm split would give it
+    a share that grows with the batch when the model is used at another token count)."""
+    rng = np.random.default_rng(5)
+    n = 12
+    G = rng.uniform(100, 900, n)
+    X = np.column_stack([np.ones(n), np.ceil(G / 264), G, np.zeros(n), rng.integers(4, 16, n), np.full(n, 512.0)])
+    y = X @ np.array([20.0, 4.0, 0.05, 0.0, 1.5, 0.03])  # the truth has a per-pair cost
+    for nonneg in (False, True):
+        b = cm.ols(X, y, 1 / y, nonneg)
+        assert b[5] == 0.0  # the constant P column
+        assert X @ b == pytest.approx(y, rel=1e-9)  # the intercept took it: exact at these points
+        assert b[0] == pytest.approx(20.0 + 0.03 * 512)
+    # Without an intercept column nothing is dropped.
+    Z = X[:, 1:]
+    assert cm.ols(Z, Z @ np.array([4.0, 0.05, 0.0, 1.5, 0.03]))[4] == pytest.approx(0.03)
+
+
+def test_a_variant_profiled_at_one_token_count_does_not_extrapolate_its_constant():
+    """Fitted on the 5 balancedness levels of M = 64 only, a variant predicts M = 256 without a
+    per-pair share of its intercept multiplied by 4 (it keeps what the grid explains)."""
+    rng = np.random.default_rng(6)
+    configs = [c for c in config_space(SHAPE) if c.bm == 16 and c.form == "two_launch"][:3]
+    truth = synthetic_model(SHAPE, configs, rng)
+    for v in truth.variants.values():
+        v.coef[:] = [30.0, 0.0, 0.0, 0.0, 2.0, 0.0]  # the named experts only: no per-pair cost
+    pts = [Point(64, 1.0, 1.0, random_counts(rng, SHAPE.num_experts, 64 * SHAPE.top_k, s)) for s in
+           (0.0, 0.5, 1.0, 1.5, 2.5)]
+    fitted = cm.fit(timings_from_model(truth, pts), truth.hardware)
+    for v in fitted.variants.values():
+        assert v.coef[5] == 0.0
+    far = random_counts(rng, SHAPE.num_experts, 256 * SHAPE.top_k, 0.5)
+    assert fitted.predict(far, 256) == pytest.approx(truth.predict(far, 256), rel=1e-6)
+
+
+def test_regret_separates_partially_measured_points():
+    """A deadline inside a token count leaves some configs unmeasured at its points: those
+    points are partial, a choice there that was not measured is flagged, and the complete
+    points' regret is reported apart."""
+    rng = np.random.default_rng(7)
+    configs = config_space(SHAPE)[::9]
+    truth = synthetic_model(SHAPE, configs, rng)
+    pts = grid(SHAPE, rng)
+    align_subwave(truth, pts)
+    t = timings_from_model(truth, pts)
+    r_all = cm.regret(truth, t)
+    chosen = r_all.chosen
+    last = [j for j, p in enumerate(pts) if p.M == pts[-1].M]
+    for j in last:  # the last token count: every config but the first few unmeasured, the choice too
+        keep = [i for i in range(len(configs)) if i < 3 and i != chosen[j]]
+        t.times[j, [i for i in range(len(configs)) if i not in keep]] = np.nan
+    r = cm.regret(truth, t)
+    assert r.complete.tolist() == [j not in last for j in range(len(pts))]
+    assert r.unmeasured.tolist() == [j in last for j in range(len(pts))]
+    assert r.complete_mean == pytest.approx(0.0, abs=1e-12) and r.complete_max == pytest.approx(0.0, abs=1e-12)
+    assert r.max > 0  # the unmeasured choices count as the slowest measured
+    assert "partially measured points" in r.describe() and f"over {len(pts) - len(last)} points" in r.describe()
+    # A config that never ran anywhere makes no point partial.
+    t2 = timings_from_model(truth, pts)
+    t2.times[:, 0] = np.nan
+    assert cm.regret(truth, t2).complete.all()

@@ -65,6 +65,43 @@ def test_profile_writes_a_model_that_loads(tmp_path, family):
     json.loads(open(rec["record"]).read())
 
 
+def test_profile_resumes_the_token_counts_a_deadline_left(tmp_path):
+    """A profile cut short keeps what it measured (the timings are saved after every token
+    count); --resume keeps the token counts that file completed and times only the others."""
+    pytest.importorskip("triton")
+    spec = dict(experts=4, top_k=2, hidden=64, intermediate=32, m_values=(1, 12), betas=(1.0, 0.5), iters=1,
+                config_stride=40)
+    first = pf.profile(pf.ProfileSpec(**spec), tmp_path / "a", log=lambda s: None)
+    t, meta = pf.load_timings(first["timings_file"])
+    assert meta["params"]["complete_m"] == [1, 12]
+    cut = [j for j, p in enumerate(t.points) if p.M == 12]
+    t.times[cut[0], 1:] = np.nan  # as if the deadline came inside M = 12
+    t.times[cut[1], 1:] = np.nan
+    partial = pf.save_timings(t, tmp_path / "partial-timings.json.gz",
+                              params={"profile": meta["params"]["profile"], "complete_m": [1]})
+    lines = []
+    rec = pf.profile(pf.ProfileSpec(**spec, resume=str(partial)), tmp_path / "b", log=lines.append)
+    assert any("token counts [1] are measured there; timing [12]" in line for line in lines)
+    t2, meta2 = pf.load_timings(rec["timings_file"])
+    kept = [j for j, p in enumerate(t.points) if p.M == 1]
+    assert np.array_equal(t2.times[kept], t.times[kept])  # kept, not timed again (host timings differ)
+    assert np.isfinite(t2.times).all() and meta2["params"]["complete_m"] == [1, 12]
+    assert rec["profile"]["resumed_from"] == str(partial)
+    with pytest.raises(ValueError, match="routing differs"):
+        pf.profile(pf.ProfileSpec(**spec, seed=3, resume=str(partial)), tmp_path / "c", log=lambda s: None)
+    with pytest.raises(ValueError, match="configurations differ"):
+        pf.profile(pf.ProfileSpec(**(spec | {"config_stride": 30}), resume=str(partial)), tmp_path / "d",
+                   log=lambda s: None)
+
+
+def test_timing_order_is_a_fixed_shuffle_of_the_whole_space():
+    order = pf.timing_order(317)
+    assert sorted(order) == list(range(317)) and order == pf.timing_order(317)
+    assert order != list(range(317)) and pf.timing_order(317, seed=1) != order
+    # The first sixth already reaches into every part of the space (bm-major: the last part is bm 128).
+    assert {i * 4 // 317 for i in order[:53]} == {0, 1, 2, 3}
+
+
 def test_timings_file_errors(tmp_path):
     bad = tmp_path / "t.json.gz"
     with gzip.open(bad, "wt") as f:

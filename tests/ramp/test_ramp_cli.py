@@ -57,6 +57,26 @@ def test_show_and_offline_evaluation(tmp_path, capsys):
     assert (tmp_path / "out").glob("ramp-eval-*.png")
 
 
+def test_fit_reports_partial_points_and_held_out_regret(tmp_path, capsys):
+    shape = MoEShape("cli-fit", num_experts=8, top_k=2, hidden=256, intermediate=128)
+    rng = np.random.default_rng(1)
+    truth = synthetic_model(shape, config_space(shape)[::25], rng)
+    pts = grid(shape, rng, Ms=(1, 16, 64, 256))
+    t = timings_from_model(truth, pts, noise=0.02, rng=rng)
+    t.times[[j for j, p in enumerate(pts) if p.M == 256], 2:] = float("nan")  # a deadline inside M = 256
+    tpath = save_timings(t, tmp_path / "profile-cli-timings.json.gz")
+    report = tmp_path / "heldout.json"
+    assert main(["ramp", "fit", str(tpath), "--out-dir", str(tmp_path), "--held-out", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert f"over {len(pts) - 5} points; 5 partially measured points" in out
+    assert "leave one token count out" in out and "leave one balancedness out" in out
+    rec = json.loads(report.read_text())
+    assert set(rec["leave_one_M_out"]["groups"]) == {"1", "16", "64", "256"}
+    assert rec["leave_one_M_out"]["partial"] == rec["leave_one_beta_out"]["partial"] == 5
+    assert rec["in_sample"]["complete_mean"] <= rec["in_sample"]["mean"]
+    assert (tmp_path / model_filename("h200", shape, "bfloat16")).is_file()
+
+
 def test_profile_needs_a_shape(capsys):
     assert main(["ramp", "profile", "--experts", "4"]) == 2
     assert "give --shape NAME or all of" in capsys.readouterr().err

@@ -99,10 +99,33 @@ def run_fit(args) -> int:
     r = regret(model, t)
     path = save_model(model, f"{args.out_dir}/{model_filename(hw.key, t.shape, t.dtype, family)}", dtype=t.dtype,
                       routed_experts=t.routed_experts,
-                      profile={"from": args.timings, "points": len(t.points), "fit_regret_mean": r.mean},
+                      profile={"from": args.timings, "points": len(t.points), "fit_regret_mean": r.mean,
+                               "fit_regret_complete_mean": r.complete_mean},
                       environment=t.environment)
-    print(f"fitted {len(model.variants)} variants ({len(t.points)} points; regret on them mean {r.mean * 100:.2f} %, "
-          f"max {r.max * 100:.1f} %): {path}")
+    print(f"fitted {len(model.variants)} variants on {len(t.points)} points; regret on them: {r.describe()}\n"
+          f"model: {path}")
+    if args.held_out:
+        from moekit.ramp.analysis import held_out
+
+        report = {"timings": args.timings, "gpu": hw.key, "in_sample": {
+            "mean": r.mean, "max": r.max, "complete_mean": r.complete_mean, "complete_max": r.complete_max}}
+        for by, what in (("M", "token count"), ("beta", "balancedness")):
+            h = report[f"leave_one_{by}_out"] = held_out(t, hw, by=by, family=family, capacity=capacity)
+            complete = h["points"] - h["partial"]
+            print(f"leave one {what} out: mean {h['mean'] * 100:.2f} %, max {h['max'] * 100:.1f} % over {h['points']} "
+                  f"points; over the {complete} complete ones: mean {h['complete_mean'] * 100:.2f} %, "
+                  f"max {h['complete_max'] * 100:.1f} %")
+            for g, row in h["groups"].items():
+                note = f" ({row['partial']} partial, choice unmeasured at {row['unmeasured_choices']})" \
+                    if row["partial"] else ""
+                print(f"   {by} = {g:>6s} held out: mean {row['mean'] * 100:6.2f} %, max {row['max'] * 100:6.1f} % "
+                      f"({row['points']} points){note}")
+        if args.report:
+            from moekit.bench.report import to_jsonable
+
+            with open(args.report, "w") as f:
+                json.dump(to_jsonable(report), f, indent=1)
+            print(f"written: {args.report}")
     return 0
 
 
@@ -117,7 +140,7 @@ def run_profile(args) -> int:
                        family=args.family, capacity=args.capacity, m_values=tuple(args.m), betas=tuple(args.betas),
                        iters=args.iters, seed=args.seed, compile_workers=args.compile_workers,
                        deadline_s=args.deadline_s, prune=args.prune, config_stride=args.config_stride,
-                       config_offset=args.config_offset)
+                       config_offset=args.config_offset, resume=args.resume)
     profile(spec, args.out_dir, lambda s: print(s, flush=True))
     return 0
 
@@ -159,6 +182,9 @@ def register(sub) -> None:
     f.add_argument("--gpu", default="h200", choices=["h200", "h100"], help="the GPU the timings were measured on")
     f.add_argument("--fit-m", type=int, nargs="*", default=None, help="token counts to fit on (default: all of them)")
     f.add_argument("--out-dir", default=".", help="where the model file goes")
+    f.add_argument("--held-out", action="store_true",
+                   help="also the regret with one token count / one balancedness left out of the fit")
+    f.add_argument("--report", default=None, help="with --held-out: write the regrets as JSON here")
     f.set_defaults(func=run_fit)
     p = rs.add_parser("profile", help="time every config at 25 points on this GPU, fit, write a model file")
     p.add_argument("--shape", default=None, help=f"{', '.join(SHAPE_NAMES)} or a moekit.shapes preset")
@@ -177,10 +203,14 @@ def register(sub) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed replays per (config, point)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     p.add_argument("--compile-workers", type=int, default=None, help="processes compiling kernels ahead (default: the cores)")
-    p.add_argument("--deadline-s", type=float, default=None, help="stop starting new points after this many seconds")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no config after this many seconds (what was timed is saved: --resume goes on)")
     p.add_argument("--prune", type=float, default=None, help="keep configs within this factor of some point's best")
     p.add_argument("--config-stride", type=int, default=1, help="time every n-th config (to split a profile over calls)")
     p.add_argument("--config-offset", type=int, default=0, help="... starting at this one")
+    p.add_argument("--resume", default=None, metavar="TIMINGS",
+                   help="the timings file of an earlier run of this profile cut short by its deadline: "
+                        "keep the token counts it completed, time the rest")
     p.add_argument("--tiny", action="store_true", help="CPU: H=64, N=32 in Triton's interpreter")
     p.add_argument("--out-dir", default=".", help="where the timings and the model file go")
     p.set_defaults(func=run_profile)

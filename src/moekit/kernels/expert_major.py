@@ -196,7 +196,7 @@ def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
-                           w2_local: torch.Tensor, config: KernelConfig | None = None, *,
+                           w2_local: torch.Tensor, config: KernelConfig | str | None = None, *,
                            w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                            token_scales: torch.Tensor | None = None,
                            plan: LaunchPlan | None = None) -> torch.Tensor:
@@ -213,6 +213,10 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
     FP8 W8A8: weights and scales as for :func:`fused_moe`. tokens either 16/32-bit (quantized
     here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
     with ``token_scales`` [E_local, capacity, H/128] float32 (the result is bf16).
+
+    ``config``: None: :func:`expert_major_default` for the capacity; ``"auto"``: RaMP's choice
+    for these counts (:func:`moekit.ramp.select.auto_config_expert_major`; host reads and CUDA
+    graphs as for :func:`~moekit.kernels.fused_moe.fused_moe`).
 
     ``plan``: how the call is launched (:class:`~moekit.kernels.plan.LaunchPlan`; None: the
     library's defaults; this entry reads its expert-major and PDL fields, and the decode fields
@@ -234,8 +238,15 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
         raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
     if counts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"counts must be int32 or int64, got {counts.dtype}")
-    if config is None:
+    auto = isinstance(config, str) and config == "auto"
+    if auto and E * cap:  # imported here: moekit.ramp imports the kernels
+        from moekit.ramp.select import auto_config_expert_major
+
+        config = auto_config_expert_major(counts, cap, w13_local, w2_local)
+    elif config is None or auto:  # ("auto" on an empty layout: nothing runs)
         config = expert_major_default(cap, fp8)
+    if not isinstance(config, KernelConfig):
+        raise ValueError(f"config must be a KernelConfig, 'auto' or None, got {config!r}")
     check_config(config, fp8)
     if fp8:
         w13_scale, w2_scale = fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)

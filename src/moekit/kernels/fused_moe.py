@@ -87,7 +87,7 @@ ALIGNMENTS = ("auto", "sort", "direct")  # fused_moe(alignment=...)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, config: KernelConfig | None = None, *,
+              topk_weights: torch.Tensor, config: KernelConfig | str | None = None, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               x_scale: torch.Tensor | None = None, alignment: str = "auto",
               plan: LaunchPlan | None = None) -> torch.Tensor:
@@ -111,6 +111,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     needs M <= config.bm); ``"auto"`` (default) is direct when M <= config.bm, else sort. Both
     do the same arithmetic on the same tiles; direct saves the alignment's launch.
 
+    ``config``: a :class:`KernelConfig`; None: ``default_config`` (a static pick from M);
+    ``"auto"``: RaMP's choice for this call's routing (:func:`moekit.ramp.select.auto_config`:
+    one host read per call, or per step inside ``moekit.ramp.select.step()``; inside a CUDA-graph
+    capture, and at the first call of a token count, the static choice for M, no host read).
+
     ``plan``: how the call is launched (:class:`~moekit.kernels.plan.LaunchPlan`; None: the
     library's defaults).
 
@@ -132,11 +137,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
         config = default_config(x.shape[0], MoEShape("adhoc", w13.shape[0], topk_ids.shape[1], x.shape[1],
                                                      w2.shape[2]), dtype=FP8 if fp8 else torch.bfloat16)
-    if not isinstance(config, KernelConfig):
-        raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
+    auto = isinstance(config, str) and config == "auto"
+    if not (auto or isinstance(config, KernelConfig)):
+        raise ValueError(f"config must be a KernelConfig, 'auto' or None, got {config!r}")
     M, H = x.shape
     E, N = check_weights(w13, w2, H, FP8 if fp8 else x.dtype, x.device)
-    check_config(config, fp8)
+    if not auto:
+        check_config(config, fp8)
     if fp8:
         w13_scale, w2_scale = fp8_weight_scales(E, N, H, w13_scale, w2_scale, x.device)
     else:
@@ -157,6 +164,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     check_device(x.device)
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
+    if auto:  # imported here: moekit.ramp imports the kernels
+        from moekit.ramp.select import auto_config
+
+        config = auto_config(topk_ids, w13, w2)
+        check_config(config, fp8)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:

@@ -17,6 +17,7 @@ from torch import nn
 from moekit.fp8 import FP8_DTYPE, dequantize_groups, quantize_blocks
 from moekit.moe.experts import check_expert_tokens, check_expert_weights
 
+CONFIG_MODES = ("auto", "default")  # FusedExperts(config=...) besides a KernelConfig
 FP8_BLOCK = 128  # weight scale blocks (128 x 128) and activation groups (1 x 128) of the W8A8 kernel
 
 
@@ -37,9 +38,14 @@ class FusedExperts(nn.Module):
       with their scales as they are (no dequantize/requantize round trip), other tokens are
       quantized per 128 columns by the kernel's prologue. H and N must be multiples of 128.
 
-    ``config``: a :class:`moekit.kernels.KernelConfig`, or None for the kernel's default for
-    the capacity (an FP8-valid one when ``fp8``). The call reads nothing back to the host, so
-    it can be captured in a CUDA graph.
+    ``config``: ``"auto"`` (or None, the default): RaMP chooses the kernel configuration from
+    the counts (:func:`moekit.ramp.select.auto_config_expert_major`): one host read per forward
+    step, shared by every ``FusedExperts`` of the step (the per-step cache; this module is the
+    layer key); inside a CUDA-graph capture, and at the first call of a capacity, the static
+    choice for the capacity, with no host read, so the call can be captured after one warm-up
+    call. ``"default"``: the kernel's static default for the capacity (never reads the host). A
+    :class:`moekit.kernels.KernelConfig`: that one (FP8-valid when ``fp8``). ``last_config``: the
+    configuration the last call ran.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, config=None, fp8: bool = False):
@@ -49,12 +55,16 @@ class FusedExperts(nn.Module):
 
         if not kernels.HAVE_TRITON:
             raise RuntimeError("FusedExperts needs Triton: pip install 'moekit[triton]'")
-        if config is not None and not isinstance(config, kernels.KernelConfig):
-            raise ValueError(f"config must be a moekit.kernels.KernelConfig or None, got {type(config).__name__}")
+        config = "auto" if config is None else config
+        if not (isinstance(config, kernels.KernelConfig) or (isinstance(config, str) and config in CONFIG_MODES)):
+            raise ValueError(f"config must be a moekit.kernels.KernelConfig, one of {CONFIG_MODES} or None, "
+                             f"got {config!r}")
         if not isinstance(fp8, bool):
             raise ValueError(f"fp8 must be a bool, got {fp8!r}")
         self._kernel = kernels.fused_moe_expert_major
+        self._default = kernels.expert_major_default
         self.config = config
+        self.last_config = None
         self.fp8 = fp8
         self.out_dtype = w13.dtype
         if fp8:
@@ -75,13 +85,28 @@ class FusedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
+        config = self._config_for(counts, tokens.shape[1])
         if self.fp8:
             if tokens.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
                 tokens, scales = tokens.to(self.out_dtype), None
-            out = self._kernel(tokens, counts, self.w13, self.w2, self.config, w13_scale=self.w13_scale,
+            out = self._kernel(tokens, counts, self.w13, self.w2, config, w13_scale=self.w13_scale,
                                w2_scale=self.w2_scale, token_scales=scales)
         else:
             if scales is not None:
                 tokens = dequantize_groups(tokens, scales, self.out_dtype)
-            out = self._kernel(tokens.to(self.out_dtype), counts, self.w13, self.w2, self.config)
+            out = self._kernel(tokens.to(self.out_dtype), counts, self.w13, self.w2, config)
         return out.to(self.out_dtype)
+
+    def _config_for(self, counts: torch.Tensor, capacity: int):
+        # Malformed counts are the kernel's to report; an empty layout runs nothing.
+        usable = capacity > 0 and counts.dim() == 1 and counts.shape[0] == self.num_experts
+        if self.config == "default" or (self.config == "auto" and not usable):
+            config = self._default(capacity, self.fp8)
+        elif self.config == "auto":  # imported here: moekit.ramp imports the kernels
+            from moekit.ramp.select import auto_config_expert_major
+
+            config = auto_config_expert_major(counts, capacity, self.w13, self.w2, layer=id(self))
+        else:
+            config = self.config
+        self.last_config = config
+        return config

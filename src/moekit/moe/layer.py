@@ -28,8 +28,9 @@ class MoELayer(nn.Module):
     ``experts`` picks the expert compute: ``"torch"`` (batched matmuls,
     :class:`SwiGLUExperts`), ``"fused"`` (the fused Triton kernel, :class:`FusedExperts`) or
     ``"fused_fp8"`` (its W8A8 form, the local experts' weights quantized to e4m3 at
-    construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`
-    (None: its default). FP8 tokens from a quantizing dispatcher reach the experts with their
+    construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`,
+    or ``"auto"`` / None (the default): RaMP's routing-aware choice, or ``"default"``: the
+    kernel's static default (:class:`FusedExperts` says how each behaves in CUDA graphs). FP8 tokens from a quantizing dispatcher reach the experts with their
     scales: the W8A8 kernel takes them as they are, the others dequantize them.
     """
 

@@ -132,6 +132,48 @@ def fallback_check(timings: Timings, hw: Hardware, dtype=None) -> dict:
     return out
 
 
+def held_out(timings: Timings, hw: Hardware, form: cm.ModelForm = cm.ModelForm(), by: str = "M", *,
+             family: str = "token", capacity: int | None = None) -> dict:
+    """Leave one token count (``by="M"``) or one target balancedness (``by="beta"``) out: fit
+    on the other points, the regret of the model's choice at the left-out ones. Per left-out
+    group and over all of them; ``complete_*`` over the points where every configuration was
+    measured (see :class:`~moekit.ramp.costmodel.Regret`). A point where no fitted variant
+    covers the token count counts as choosing the slowest measured config."""
+    if by not in ("M", "beta"):
+        raise ValueError(f"by must be 'M' or 'beta', got {by!r}")
+
+    def key(p):
+        v = p.M if by == "M" else p.beta
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    groups = sorted({key(p) for p in timings.points if key(p) is not None})
+    measured = np.isfinite(timings.times).any(axis=0)
+    out, regrets, complete, unmeasured = {}, [], [], []
+    for g in groups:
+        fit_on = timings.select_points(lambda p, g=g: key(p) != g)
+        test_on = timings.select_points(lambda p, g=g: key(p) == g)
+        model = cm.fit(fit_on, hw, form, family=family, capacity=capacity)
+        try:
+            r = cm.regret(model, test_on, measured)
+        except ValueError:  # no variant fitted for this token count's path
+            rows = [test_on.times[j] for j in range(len(test_on.points)) if np.isfinite(test_on.times[j]).any()]
+            r = cm.Regret(np.array([np.nanmax(t) / np.nanmin(t) - 1 for t in rows]), [-1] * len(rows),
+                          np.array([bool(np.all(np.isfinite(t) | ~measured)) for t in rows], dtype=bool),
+                          np.ones(len(rows), dtype=bool))
+        out[str(g)] = _regret_dict(r)
+        regrets.append(r.regrets)
+        complete.append(r.complete)
+        unmeasured.append(r.unmeasured)
+    total = cm.Regret(np.concatenate(regrets), [], np.concatenate(complete), np.concatenate(unmeasured))
+    return {"by": by, "form": form.to_dict(), "groups": out, **_regret_dict(total)}
+
+
+def _regret_dict(r: cm.Regret) -> dict:
+    return {"mean": r.mean, "max": r.max, "points": len(r.regrets), "complete_mean": r.complete_mean,
+            "complete_max": r.complete_max, "partial": int((~r.complete).sum()),
+            "unmeasured_choices": int(r.unmeasured.sum())}
+
+
 def split_points(timings: Timings, fit_m) -> tuple[Timings, Timings]:
     fit_m = set(fit_m)
     return timings.select_points(lambda p: p.M in fit_m), timings.select_points(lambda p: p.M not in fit_m)

@@ -147,10 +147,18 @@ def ols(X: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None, nonneg:
     """Least squares ``argmin |W (X b - y)|`` over the columns of X that are not all zero (the
     others get 0); the minimum-norm solution where the points do not determine every term.
     ``nonneg``: every coefficient >= 0 (the best of the least-squares fits on every subset of
-    the columns whose coefficients come out >= 0: exact for the few columns here)."""
+    the columns whose coefficients come out >= 0: exact for the few columns here).
+
+    Where the first column is the intercept (all ones), a column that is constant over the
+    points cannot be told from it and is left out (coefficient 0). The minimum-norm solution
+    would split the constant between the two, and the share given to a term that grows with
+    the batch -- the routed pairs, at one token count -- would be multiplied when the model is
+    used at another token count (a variant profiled at one M then predicts nonsense at 4 M)."""
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     used = np.any(X != 0.0, axis=0)
+    if len(X) and np.all(X[:, 0] == 1.0):
+        used &= ~np.all(X == X[:1], axis=0) | (np.arange(X.shape[1]) == 0)
     coef = np.zeros(X.shape[1])
     if not used.any() or len(y) == 0:
         return coef
@@ -288,10 +296,24 @@ def fit(timings, hardware: Hardware, form: ModelForm = ModelForm(), *, family: s
 
 @dataclass
 class Regret:
-    """Regret of a choice against exhaustive search at a set of points."""
+    """Regret of a choice against exhaustive search at a set of points.
+
+    ``complete[k]``: every configuration measured anywhere was measured at point k (a deadline can cut a token
+    count short: there the "best" is the best of those measured, and a choice that was not
+    measured, ``unmeasured[k]``, counts as the slowest measured -- a bound, not a measurement).
+    ``mean`` / ``max`` are over all points; ``complete_mean`` / ``complete_max`` over the
+    complete ones, the number to quote."""
 
     regrets: np.ndarray  # [points] t(chosen) / t(best) - 1
     chosen: list[int]
+    complete: np.ndarray | None = None  # [points] bool
+    unmeasured: np.ndarray | None = None  # [points] bool
+
+    def __post_init__(self) -> None:
+        n = len(self.regrets)
+        self.complete = np.ones(n, dtype=bool) if self.complete is None else np.asarray(self.complete, dtype=bool)
+        self.unmeasured = np.zeros(n, dtype=bool) if self.unmeasured is None else np.asarray(self.unmeasured,
+                                                                                              dtype=bool)
 
     @property
     def mean(self) -> float:
@@ -301,18 +323,43 @@ class Regret:
     def max(self) -> float:
         return float(np.max(self.regrets)) if len(self.regrets) else float("nan")
 
+    @property
+    def complete_mean(self) -> float:
+        r = self.regrets[self.complete]
+        return float(np.mean(r)) if len(r) else float("nan")
 
-def regret(model: CostModel, timings) -> Regret:
-    """The model's choice at every point of ``timings`` against the fastest measured config."""
-    regrets, chosen = [], []
+    @property
+    def complete_max(self) -> float:
+        r = self.regrets[self.complete]
+        return float(np.max(r)) if len(r) else float("nan")
+
+    def describe(self) -> str:
+        """One line: mean / max over the complete points, and what the partial ones were."""
+        n, c = len(self.regrets), int(self.complete.sum())
+        text = f"mean {self.complete_mean * 100:.2f} %, max {self.complete_max * 100:.1f} % over {c} points"
+        if c < n:
+            text += (f"; {n - c} partially measured points (a deadline) left out: the choice there was not "
+                     f"measured at {int(self.unmeasured.sum())} (counted as the slowest measured, all points: "
+                     f"mean {self.mean * 100:.2f} %, max {self.max * 100:.1f} %)")
+        return text
+
+
+def regret(model: CostModel, timings, measured: np.ndarray | None = None) -> Regret:
+    """The model's choice at every point of ``timings`` against the fastest measured config.
+    ``measured`` [configs]: those a complete point has (default: those measured at some point
+    of ``timings``; a config that never ran makes no point partial)."""
+    regrets, chosen, complete, unmeasured = [], [], [], []
+    anywhere = np.isfinite(timings.times).any(axis=0) if measured is None else np.asarray(measured, dtype=bool)
     for j, p in enumerate(timings.points):
         if not np.isfinite(timings.times[j]).any():  # a point nothing was measured at (a deadline)
             continue
         i = model.choose(p.counts, p.M)
         best = np.nanmin(timings.times[j])
         t = timings.times[j, i]
+        unmeasured.append(not np.isfinite(t))
         if not np.isfinite(t):  # chosen but not measured here: count it as the slowest measured
             t = np.nanmax(timings.times[j])
         regrets.append(t / best - 1.0)
         chosen.append(i)
-    return Regret(np.asarray(regrets), chosen)
+        complete.append(bool(np.all(np.isfinite(timings.times[j]) | ~anywhere)))
+    return Regret(np.asarray(regrets), chosen, np.asarray(complete, dtype=bool), np.asarray(unmeasured, dtype=bool))

@@ -172,9 +172,11 @@ def model_from_dict(d: dict, where: str = "model") -> tuple[CostModel, dict]:
 
 
 def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | None = None, dtype=None,
-               family: str | None = None, check_space: bool = True) -> tuple[CostModel, dict]:
+               family: str | None = None, check_space: bool = True,
+               match_top_k: bool = True) -> tuple[CostModel, dict]:
     """Read a model file; with ``shape`` / ``gpu`` / ``dtype`` / ``family`` given, check that it
-    was made for them (E, K, H, N must agree; the name need not). ``check_space``: every config
+    was made for them (E, K, H, N must agree -- K only with ``match_top_k`` -- the name need
+    not). ``check_space``: every config
     must belong to today's ``config_space`` for the shape (a model of another kernel version
     would otherwise choose a config this kernel does not offer)."""
     path = Path(path)
@@ -185,7 +187,7 @@ def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | No
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a JSON model file ({error})") from None
     model, meta = model_from_dict(d, str(path))
-    if shape is not None and shape_key(shape) != shape_key(model.shape):
+    if shape is not None and _dims(shape, match_top_k) != _dims(model.shape, match_top_k):
         raise ValueError(f"{path}: made for {shape_key(model.shape)}, not {shape_key(shape)}")
     if gpu is not None and gpu != model.hardware.key:
         raise ValueError(f"{path}: made for the GPU {model.hardware.key!r}, not {gpu!r}")
@@ -202,16 +204,28 @@ def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | No
     return model, meta
 
 
+def _dims(shape: MoEShape, with_top_k: bool = True) -> tuple:
+    return (shape.num_experts, shape.top_k if with_top_k else None, shape.hidden, shape.intermediate)
+
+
 def model_dirs() -> list[Path]:
     """Where :func:`find_model` looks, in order."""
     extra = [Path(p) for p in os.environ.get(ENV_DIRS, "").split(os.pathsep) if p]
     return [*extra, SHIPPED]
 
 
-def find_model(shape: MoEShape, gpu: str, dtype, family: str = "token") -> Path | None:
-    """The first model file for (shape dims, gpu, dtype, family) in :func:`model_dirs`, or None."""
+def find_model(shape: MoEShape, gpu: str, dtype, family: str = "token", any_top_k: bool = False) -> Path | None:
+    """The first model file for (shape dims, gpu, dtype, family) in :func:`model_dirs`, or None.
+    ``any_top_k``: a file of any K will do (the expert-major kernels see the dispatcher's
+    counts, never the router's K; K only shaped the profile's routing): the least K first."""
     name = model_filename(gpu, shape, dtype, family)
     for d in model_dirs():
         if (d / name).is_file():
             return d / name
+        if any_top_k:
+            s = shape
+            pattern = f"{gpu}-{dtype_name(dtype)}-{family}-E{s.num_experts}-K*-H{s.hidden}-N{s.intermediate}.json"
+            found = sorted(d.glob(pattern), key=lambda p: (len(p.name), p.name))
+            if found:
+                return found[0]
     return None

@@ -16,9 +16,10 @@ schedule that follows a dispatcher's counts) runs at every point:
 
 The fit (:func:`moekit.ramp.costmodel.fit`) and the model file
 (:func:`moekit.ramp.modelfile.save_model`) follow; the raw timings are written too
-(:func:`save_timings`), so a model can be refitted -- another form, the ablation -- on any
-machine. ``--deadline-s`` stops starting token counts that would end past it (what is measured
-is kept and fitted).
+(:func:`save_timings`, after every token count), so a model can be refitted -- another form,
+the ablation -- on any machine. ``--deadline-s`` starts no configuration past it (what is
+measured is kept and fitted; within a token count the configs go in :func:`timing_order`), and
+``--resume`` on those timings keeps the token counts they completed and times the rest.
 
 Without a GPU (``--tiny``) the same pipeline runs in Triton's interpreter on tiny shapes,
 timed with the host clock: meaningless numbers, for the tests.
@@ -293,6 +294,15 @@ class TimingRun:
     incomplete: list = field(default_factory=list)
     seconds: float = 0.0
     compile_seconds: float = 0.0
+    complete_m: list = field(default_factory=list)  # token counts every config was timed at
+
+
+def timing_order(n: int, seed: int = 0) -> list[int]:
+    """The order in which a token count's ``n`` configurations are timed: a fixed shuffle. The
+    space is listed block size by block size (bm 16 first), so a deadline inside a token count
+    would otherwise leave it measured for the small blocks alone -- at a large token count the
+    ones that lose; shuffled, what was measured is a sample of the whole space."""
+    return [int(i) for i in np.random.default_rng(seed + 104729).permutation(n)]
 
 
 class ConfigTimer:
@@ -384,22 +394,41 @@ class ConfigTimer:
 
     # -- many points -------------------------------------------------------------------
 
-    def run(self, configs: list[KernelConfig], points: list[PointSpec], compile_first: bool = True) -> TimingRun:
-        """Median µs of every config at every point (NaN where it failed or was not reached)."""
+    def run(self, configs: list[KernelConfig], points: list[PointSpec], compile_first: bool = True,
+            skip_m=frozenset(), after_group: Callable[[Timings, list], None] | None = None) -> TimingRun:
+        """Median µs of every config at every point (NaN where it failed or was not reached).
+        Token counts in ``skip_m`` are not timed (NaN; a resumed profile has them). The configs
+        of a token count are timed in :func:`timing_order`. ``after_group(timings, complete_m)``:
+        called after each token count with what is measured so far (to save it)."""
         spec = self.spec
         m_values = sorted({p.M for p in points})
         t_compile = time.perf_counter()
-        errors = {f"{_cid(c)}@compile": e for c, e in (self.compile(configs, m_values) if compile_first else {}).items()}
+        to_time = [M for M in m_values if M not in skip_m]
+        errors = {f"{_cid(c)}@compile": e for c, e in
+                  (self.compile(configs, to_time) if compile_first and to_time else {}).items()}
         compile_s = time.perf_counter() - t_compile
         routings = [make_routing(spec.shape, spec.routed, p) for p in points]
         times = np.full((len(points), len(configs)), np.nan)
         base = np.full(len(points), np.nan)
-        incomplete = []
+        from moekit.bench.report import environment
+
+        env = environment()
+        pts = [Point(p.M, p.beta if p.beta is not None else math.nan, r.realized_beta, r.counts, p.label)
+               for p, r in zip(points, routings)]
+
+        def timings() -> Timings:
+            return Timings(spec.shape, spec.routed, dtype_name(spec.dtype), list(configs), pts, times.copy(),
+                           base.copy() if spec.family == "token" and spec.baseline else None, env)
+
+        incomplete, complete_m = [], []
+        order = timing_order(len(configs), spec.seed)
         from moekit.bench.timing import L2Flusher
 
         flusher = L2Flusher(spec.flush_mb << 20, self.device) if self.on_gpu and spec.flush_mb else None
         tol = spec.tol or (FP8_TOL if self.fp8 else BF16_TOL)
         for M in m_values:
+            if M in skip_m:
+                continue
             idx = [j for j, p in enumerate(points) if p.M == M]
             if spec.deadline_s is not None and self.elapsed() > spec.deadline_s:
                 incomplete.append({"M": M, "reason": "skipped: deadline"})
@@ -414,9 +443,10 @@ class ConfigTimer:
                 flushers.append(self._flusher_for(routings[j], flusher))
                 if spec.baseline and spec.family == "token":
                     base[j] = self._time_baseline(buf, flushers[-1])
-            for i, c in enumerate(configs):
+            for k, i in enumerate(order):
+                c = configs[i]
                 if spec.deadline_s is not None and self.elapsed() > spec.deadline_s:
-                    incomplete.append({"M": M, "reason": f"partial: deadline after {i}/{len(configs)} configs"})
+                    incomplete.append({"M": M, "reason": f"partial: deadline after {k}/{len(configs)} configs"})
                     break
                 res = self._time_config(c, buf, [routings[j] for j in idx], refs, flushers, tol)
                 for j, r in zip(idx, res):
@@ -424,20 +454,18 @@ class ConfigTimer:
                         errors[f"{_cid(c)}@M={M},beta={points[j].beta},zipf={points[j].zipf}"] = r
                     else:
                         times[j, i] = r
-                if (i + 1) % 100 == 0:
-                    self.log(f"  M={M}: {i + 1}/{len(configs)} configs ({self.elapsed():.0f} s)")
+                if (k + 1) % 100 == 0:
+                    self.log(f"  M={M}: {k + 1}/{len(configs)} configs ({self.elapsed():.0f} s)")
+            else:
+                complete_m.append(M)
             self.log(f"[M={M}] {len(idx)} points x {len(configs)} configs in {time.perf_counter() - t0:.1f} s "
                      f"(elapsed {self.elapsed():.0f} s)")
+            if after_group is not None:
+                after_group(timings(), list(complete_m))
             del buf
             if self.on_gpu:
                 torch.cuda.empty_cache()
-        from moekit.bench.report import environment
-
-        pts = [Point(p.M, p.beta if p.beta is not None else math.nan, r.realized_beta, r.counts, p.label)
-               for p, r in zip(points, routings)]
-        t = Timings(spec.shape, spec.routed, dtype_name(spec.dtype), list(configs), pts, times,
-                    base if spec.family == "token" and spec.baseline else None, environment())
-        return TimingRun(t, errors, incomplete, self.elapsed(), compile_s)
+        return TimingRun(timings(), errors, incomplete, self.elapsed(), compile_s, complete_m)
 
     def _buffers(self, M: int) -> dict:
         s = self.spec.shape
@@ -605,6 +633,7 @@ class ProfileSpec:
     form: dict | None = None  # a ModelForm's fields; None: the default form
     config_stride: int = 1  # profile every n-th config of the space (CPU tests; splitting a space)
     config_offset: int = 0
+    resume: str | None = None  # timings of an earlier, cut-short run of this spec: its complete token counts are kept
 
     def __post_init__(self) -> None:
         from moekit.ramp.regions import FAMILIES
@@ -623,6 +652,36 @@ class ProfileSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prune is not None and not self.prune > 1:
             raise ValueError(f"prune must be a factor > 1, got {self.prune}")
+
+
+def _resumed(spec: ProfileSpec, shape: MoEShape, routed: int, configs: list[KernelConfig],
+             points: list[PointSpec]) -> tuple[Timings, list[int]]:
+    """(the timings of ``spec.resume``, the token counts it completed), checked to be this
+    profile's: same shape, precision, family, configurations and points."""
+    t, meta = load_timings(spec.resume)
+    where = spec.resume
+    if (t.shape.num_experts, t.shape.top_k, t.shape.hidden, t.shape.intermediate) != \
+            (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate) or t.dtype != spec.dtype \
+            or meta["family"] != spec.family or t.routed_experts != routed:
+        raise ValueError(f"{where}: made for another shape, dtype or family; it cannot resume this profile")
+    if list(t.configs) != list(configs):
+        raise ValueError(f"{where}: its configurations differ from this profile's ({len(t.configs)} vs {len(configs)})")
+    want = [(p.M, p.beta) for p in points]
+    if [(p.M, p.beta) for p in t.points] != want:
+        raise ValueError(f"{where}: its points differ from this profile's (token counts, betas)")
+    ours = [make_routing(shape, routed, p).counts for p in points]
+    if any(not np.array_equal(a, p.counts) for a, p in zip(ours, t.points)):
+        raise ValueError(f"{where}: its routing differs from this profile's (another seed?)")
+    return t, complete_token_counts(t, meta)
+
+
+def complete_token_counts(t: Timings, meta: dict) -> list[int]:
+    """The token counts a profile's timings file completed (every configuration tried at
+    them): recorded by the profile; for a file written before that, those measured throughout."""
+    done = meta.get("params", {}).get("complete_m")
+    if done is None:
+        done = {p.M for p in t.points} - {p.M for j, p in enumerate(t.points) if not np.isfinite(t.times[j]).all()}
+    return sorted(int(m) for m in done)
 
 
 def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], None] = print,
@@ -649,13 +708,33 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
         f"N={shape.intermediate}, routed over {routed}) {spec.dtype}, family {spec.family}, on "
         f"{torch.cuda.get_device_name() if timer.on_gpu else 'CPU (interpreter)'} ({hw.key}); "
         f"{len(configs)} configs x {len(points)} points; est. {est:.0f} s")
-    run = timer.run(configs, points)
-    t = run.timings
-    tpath = None
-    if out_dir is not None:  # the raw timings first: whatever the fit does, the measurement is kept
-        tpath = save_timings(t, Path(out_dir) / f"profile-{hw.key}-{shape.name}-{spec.dtype}-{spec.family}"
-                             "-timings.json.gz", params={"profile": asdict(spec)}, family=spec.family,
-                             capacity=spec.capacity if spec.family == "expert_major" else None)
+    kept, done = _resumed(spec, shape, routed, configs, points) if spec.resume else (None, [])
+    if done:
+        log(f"resuming {spec.resume}: token counts {done} are measured there; "
+            f"timing {sorted({p.M for p in points} - set(done))}")
+    tpath = None if out_dir is None else \
+        Path(out_dir) / f"profile-{hw.key}-{shape.name}-{spec.dtype}-{spec.family}-timings.json.gz"
+    capacity = spec.capacity if spec.family == "expert_major" else None
+
+    def merged(t: Timings) -> Timings:
+        if kept is not None:
+            rows = [j for j, p in enumerate(points) if p.M in done]
+            t.times[rows] = kept.times[rows]
+            if t.baseline is not None and kept.baseline is not None:
+                t.baseline[rows] = kept.baseline[rows]
+        return t
+
+    def save(t: Timings, complete_m: list) -> None:
+        # The raw timings first, after every token count: whatever happens next (the fit, the
+        # call's time limit), what was measured is kept, and --resume can go on from it.
+        params = {"profile": asdict(spec), "complete_m": sorted(set(done) | set(complete_m))}
+        save_timings(merged(t), tpath, params=params, family=spec.family, capacity=capacity)
+
+    run = timer.run(configs, points, skip_m=frozenset(done), after_group=save if tpath is not None else None)
+    t = merged(run.timings)
+    run.complete_m = sorted(set(done) | set(run.complete_m))
+    if tpath is not None:
+        save(t, run.complete_m)
     form = ModelForm(**spec.form) if spec.form else ModelForm()
     elem = 1 if spec.dtype == "float8_e4m3fn" else 2
     model = fit(t, hw, form, family=spec.family, capacity=spec.capacity if spec.family == "expert_major" else None,
@@ -671,12 +750,16 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
     profile_meta = {"m_values": list(spec.m_values), "betas": list(spec.betas), "points": len(points),
                     "iters": spec.iters, "seconds": round(run.seconds, 1), "compile_seconds": round(run.compile_seconds, 1),
                     "timed_configs": len(configs), "kept_configs": len(kept), "prune": spec.prune,
-                    "failed": len(run.errors), "incomplete": run.incomplete,
-                    "fit_regret_mean": fit_regret.mean, "fit_regret_max": fit_regret.max}
+                    "failed": len(run.errors), "incomplete": run.incomplete, "complete_m": run.complete_m,
+                    "resumed_from": spec.resume,
+                    "fit_regret_mean": fit_regret.mean, "fit_regret_max": fit_regret.max,
+                    "fit_regret_complete_mean": fit_regret.complete_mean,
+                    "fit_regret_complete_max": fit_regret.complete_max,
+                    "partial_points": int((~fit_regret.complete).sum())}
     record = {"shape": shape.name, "gpu": hw.key, "dtype": spec.dtype, "family": spec.family, "profile": profile_meta,
               "errors": dict(list(run.errors.items())[:50])}
     log(f"fitted {len(model.variants)} variants of {len(model.configs)} configs; regret on the profiling points: "
-        f"mean {fit_regret.mean * 100:.2f} %, max {fit_regret.max * 100:.1f} %; {run.seconds:.0f} s in all"
+        f"{fit_regret.describe()}; {run.seconds:.0f} s in all"
         f"{f'; {len(run.errors)} (config, point) failures' if run.errors else ''}")
     if out_dir is None:
         record["model"] = model

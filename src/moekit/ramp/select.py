@@ -15,7 +15,17 @@ No model file for the shape and GPU: the selector falls back to the region analy
 (:mod:`moekit.ramp.fallback`), with a one-time warning that says how to profile the shape.
 
 How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_moe`` and
-:func:`auto_config_expert_major` for ``fused_moe_expert_major`` / ``FusedExperts``.
+:func:`auto_config_expert_major` for ``fused_moe_expert_major`` / ``FusedExperts``, both through
+:meth:`Selector.auto`, which adds two rules to :meth:`Selector.select`:
+
+* Inside a CUDA-graph capture (the low-latency layer, a captured ``MoELayer``) no value may be
+  read back, and a graph replays whatever it captured: the call runs the *static choice* for
+  its token count (:meth:`Selector.static_choice`: with a fitted model the least mean predicted
+  time over a sweep of routings, the graph path's ``static`` mode; without one the kernel's own
+  default). A graph that chooses per replay is :class:`moekit.ramp.graphs.GraphedMoE`.
+* The first call at a token count runs that static choice too, without reading the routing:
+  Triton loads a kernel's module at its first launch, which is not allowed during a capture,
+  so the warm-up call every graph needs before its capture loads exactly what the graph runs.
 """
 
 from __future__ import annotations
@@ -334,7 +344,7 @@ class Selector:
     def __init__(self, shape: MoEShape, *, dtype=torch.bfloat16, device: torch.device | str | None = None,
                  family: str = "token", model: CostModel | str | os.PathLike | None = None,
                  hardware: Hardware | None = None, capacity: int | None = None, use_triton: bool | None = None,
-                 warn: bool = True):
+                 warn: bool = True, any_top_k: bool = False):
         self.shape = shape
         self.dtype_name = dtype_name(dtype)
         self.dtype = _FP8 if self.dtype_name == "float8_e4m3fn" else torch.bfloat16
@@ -346,21 +356,30 @@ class Selector:
         self.use_triton = use_triton
         self.model_path = None
         if model is None:
-            path = find_model(shape, self.hardware.key, self.dtype_name, family)
+            path = find_model(shape, self.hardware.key, self.dtype_name, family, any_top_k=any_top_k)
             model = path
         if isinstance(model, (str, os.PathLike)):
             self.model_path = str(model)
-            model, _ = load_model(model, shape=shape, gpu=self.hardware.key, dtype=self.dtype_name, family=family)
+            model, _ = load_model(model, shape=shape, gpu=self.hardware.key, dtype=self.dtype_name, family=family,
+                                  match_top_k=not any_top_k)
+            if any_top_k:
+                self.shape = model.shape
         self.model = model
         self.fallback = model is None
         if self.fallback:
             self.configs = templates(shape, self.hardware, self.dtype)
+            if family == "expert_major":  # the schedule that follows the counts (kernels.expert_major)
+                self.configs = [c for c in self.configs if c.form == "two_launch" and c.split_k == 1] or \
+                    [self.static_fallback()]
             if warn:
-                warnings.warn(profile_hint(shape, self.hardware.key, self.dtype_name, family), stacklevel=3)
+                warnings.warn(profile_hint(shape, self.hardware.key, self.dtype_name, family,
+                                           known_top_k=not any_top_k), stacklevel=3)
         else:
             self.configs = model.configs
         self._dm: DeviceModel | None = None
         self.host_reads = 0
+        self.last: KernelConfig | None = None  # what :meth:`auto` answered last
+        self._static: dict[int, KernelConfig] = {}
         self._cache: dict = {}
         self._seen: set = set()
         self._explicit_step = 0
@@ -417,10 +436,11 @@ class Selector:
             self.new_step()
 
     def select(self, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-               M: int | None = None, layer=None) -> KernelConfig:
+               M: int | None = None, layer=None, static_first: bool = False) -> KernelConfig:
         """:meth:`choose`, cached for the step: keyed by the token count ``M`` (``topk_ids``'
         rows; for ``counts`` give M, or the capacity keys it). ``layer``: a key of the calling
-        layer; when it comes back, a new step has begun."""
+        layer; when it comes back, a new step has begun. ``static_first``: the first selection
+        at M is :meth:`static_choice` (no host read; see the module docstring)."""
         if M is None:
             M = topk_ids.shape[0] if topk_ids is not None else (self.capacity or 0)
         caching = layer is not None or self._explicit_step > 0 or _GLOBAL_STEP.depth > 0
@@ -436,21 +456,78 @@ class Selector:
             hit = self._cache.get(M) if caching else None
         if hit is not None:
             return hit
-        config = self.choose(M, topk_ids=topk_ids, counts=counts)
+        if static_first and M not in self._static:
+            config = self.static_choice(M)
+        else:
+            config = self.choose(M, topk_ids=topk_ids, counts=counts)
         if caching:
             with self._lock:
                 self._cache[M] = config
         return config
 
+    def auto(self, M: int, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+             layer=None) -> KernelConfig:
+        """What ``config="auto"`` runs: :meth:`select` (one host read per step), except inside a
+        CUDA-graph capture and at the first call at ``M``, where the static choice runs (module
+        docstring). Sets ``self.last``."""
+        src = topk_ids if topk_ids is not None else counts
+        if src.is_cuda and torch.cuda.is_current_stream_capturing():
+            config = self.static_choice(M)
+        else:
+            config = self.select(topk_ids=topk_ids, counts=counts, M=M, layer=layer, static_first=True)
+        self.last = config
+        return config
 
-def profile_hint(shape: MoEShape, gpu: str, dtype: str, family: str) -> str:
-    """The one-time warning of a selector without a model file."""
+    def static_fallback(self, M: int | None = None) -> KernelConfig:
+        """The kernel's own default for M (the capacity for the expert-major family)."""
+        if self.family == "expert_major":
+            from moekit.kernels.expert_major import expert_major_default
+
+            return expert_major_default(self.capacity or M or 1, self.dtype == _FP8)
+        from moekit.kernels.configs import default_config
+
+        return default_config(M or 1, self.shape, dtype=self.dtype)
+
+    def static_choice(self, M: int) -> KernelConfig:
+        """The configuration for token count (or capacity) ``M`` whatever the routing, computed
+        on the host alone, once per M: with a fitted model, the least mean predicted time over
+        :func:`moekit.ramp.graphs.routing_sweep`'s histograms (one seed: the sweep is paid once
+        per token count); without one, the kernel's default for M (``default_config`` /
+        ``expert_major_default``), whose choices were measured -- the fallback's estimate needs
+        a histogram."""
+        with self._lock:
+            hit = self._static.get(M)
+        if hit is not None:
+            return hit
+        if self.fallback:
+            config = self.static_fallback(M)
+        else:
+            from moekit.ramp.graphs import routing_sweep
+
+            hists = routing_sweep(self, max(1, M), seeds=1)
+            if self.capacity:
+                hists = [np.minimum(h, self.capacity) for h in hists]
+            preds = np.stack([self.model.predict(h, M) for h in hists])
+            preds = np.where(np.isfinite(preds), preds, np.inf)
+            config = self.configs[int(np.argmin(preds.mean(axis=0)))]
+        with self._lock:
+            self._static[M] = config
+        return config
+
+
+def profile_hint(shape: MoEShape, gpu: str, dtype: str, family: str, known_top_k: bool = True) -> str:
+    """The one-time warning of a selector without a model file (``known_top_k`` False: the
+    caller does not know the router's K, the command says K)."""
     dt = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float16": "fp16"}[dtype]
     fam = "" if family == "token" else f" --family {family}"
-    return (f"moekit.ramp: no fitted model for E={shape.num_experts} K={shape.top_k} H={shape.hidden} "
-            f"N={shape.intermediate} {dtype} on {gpu} ({model_filename(gpu, shape, dtype, family)}); the "
+    k = shape.top_k if known_top_k else "K"
+    name = model_filename(gpu, shape, dtype, family)
+    if not known_top_k:
+        name = name.replace(f"-K{shape.top_k}-", "-K<any>-")
+    dims = f"E={shape.num_experts}{f' K={k}' if known_top_k else ''} H={shape.hidden} N={shape.intermediate}"
+    return (f"moekit.ramp: no fitted model for {dims} {dtype} on {gpu} ({name}); the "
             "configuration comes from the region analysis, which is slower than a fitted model. Profile it "
-            f"on this GPU (~10-25 min): moekit ramp profile --experts {shape.num_experts} --top-k {shape.top_k} "
+            f"on this GPU (~10-25 min): moekit ramp profile --experts {shape.num_experts} --top-k {k} "
             f"--hidden {shape.hidden} --intermediate {shape.intermediate} --dtype {dt}{fam} --out-dir DIR, "
             f"then export MOEKIT_RAMP_MODELS=DIR")
 
@@ -481,10 +558,13 @@ def step():
         _GLOBAL_STEP.epoch += 1
 
 
-def selector_for(E: int, K: int, H: int, N: int, *, dtype, device, family: str = "token",
+def selector_for(E: int, K: int | None, H: int, N: int, *, dtype, device, family: str = "token",
                  capacity: int | None = None) -> Selector:
     """The process-wide selector of this shape, precision, family and device (made once; the
-    fallback's warning is given once per key)."""
+    fallback's warning is given once per key). ``K`` None (expert_major only): the caller does
+    not know the router's K; a model file of any K serves (:func:`find_model`)."""
+    if K is None and family != "expert_major":
+        raise ValueError("K (top_k) is needed for the token family")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -492,8 +572,10 @@ def selector_for(E: int, K: int, H: int, N: int, *, dtype, device, family: str =
     with _SELECTORS_LOCK:
         sel = _SELECTORS.get(key)
         if sel is None:
-            shape = MoEShape("adhoc", E, K, H, N)
-            sel = _SELECTORS[key] = Selector(shape, dtype=dtype, device=device, family=family, capacity=capacity)
+            # K = 1 stands in for an unknown K (the fallback's templates barely depend on it).
+            shape = MoEShape("adhoc", E, K or 1, H, N)
+            sel = _SELECTORS[key] = Selector(shape, dtype=dtype, device=device, family=family, capacity=capacity,
+                                             any_top_k=K is None)
     return sel
 
 
@@ -503,22 +585,23 @@ def auto_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
     sel = selector_for(E, topk_ids.shape[1], H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16,
                        device=topk_ids.device)
-    return sel.select(topk_ids=topk_ids, layer=layer)
+    return sel.auto(topk_ids.shape[0], topk_ids=topk_ids, layer=layer)
 
 
 def auto_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Tensor, w2: torch.Tensor, *,
-                             top_k: int, layer=None) -> KernelConfig:
+                             top_k: int | None = None, layer=None) -> KernelConfig:
     """``fused_moe_expert_major(..., config="auto")`` / ``FusedExperts(config="auto")``: the
-    config for a dispatcher's ``counts`` (one per local expert; ``top_k`` of the router)."""
+    config for a dispatcher's ``counts`` (one per local expert), keyed by the capacity.
+    ``top_k``: the router's K where known (it names the model file; None: any K's file)."""
     E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
     sel = selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16, device=counts.device,
                        family="expert_major", capacity=capacity)
-    return sel.select(counts=counts, M=capacity, layer=layer)
+    return sel.auto(capacity, counts=counts, layer=layer)
 
 
 def fused_moe_auto(x, w13, w2, topk_ids, topk_weights, *, layer=None, **kwargs):
-    """``fused_moe`` with the configuration :func:`auto_config` picks (what ``config="auto"``
-    will do once wired into the kernel's entry point)."""
+    """``fused_moe(..., config="auto")`` with a ``layer`` key for the per-step cache (the
+    kernel's entry has none: there, outside :func:`step`, every call selects)."""
     from moekit.kernels import fused_moe
 
     return fused_moe(x, w13, w2, topk_ids, topk_weights, auto_config(topk_ids, w13, w2, layer=layer), **kwargs)

@@ -1,0 +1,228 @@
+"""``config="auto"`` wired into the kernels' entries and FusedExperts, in Triton's interpreter:
+the call runs exactly the configuration the selector chose (bitwise), that choice is the
+model's argmin for the call's routing, the first call at a token count runs the static choice
+without reading the routing, and a step of many layers reads the host once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moekit.kernels import KernelConfig, config_space, expert_major_default, fused_moe  # noqa: E402
+from moekit.kernels import fused_moe_expert_major  # noqa: E402
+from moekit.moe import FusedExperts  # noqa: E402
+from moekit.ramp import select as sel  # noqa: E402
+from moekit.ramp.modelfile import model_filename, save_model  # noqa: E402
+from moekit.ramp.regions import HARDWARE  # noqa: E402
+from moekit.shapes import MoEShape  # noqa: E402
+
+from .synthetic import synthetic_model  # noqa: E402
+
+# H and N span two reduction chunks of bk = 64, so configs differ in their float32 rounding and
+# "the chosen config ran" is visible bitwise (at one chunk every config gives the same bits).
+SHAPE = MoEShape("auto", num_experts=4, top_k=2, hidden=256, intermediate=128)
+M = 3
+
+
+def _two_launch(bk: int, bm: int = 16) -> KernelConfig:
+    return KernelConfig(bm=bm, bn=64, bk=bk, num_warps=4, num_stages=2, form="two_launch")
+
+
+def _few_vs_many(model, cheap_few: int, cheap_many: int):
+    """Config ``cheap_few`` wins when the routing names at most 2 of the 4 experts, ``cheap_many``
+    from 3 on (10 + 8 A against 25 + A); the others never."""
+    for (i, _), v in model.variants.items():
+        v.coef[:] = {cheap_few: [10, 0, 0, 0, 8, 0], cheap_many: [25, 0, 0, 0, 1, 0]}.get(i, [100 + i, 0, 0, 0, 0, 0])
+    return model
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    """An empty model directory searched first; the process-wide selectors forgotten around the test."""
+    monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))
+    sel._SELECTORS.clear()
+    yield tmp_path
+    sel._SELECTORS.clear()
+
+
+def _token_model(path) -> list[KernelConfig]:
+    configs = [_two_launch(64), _two_launch(128), KernelConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2,
+                                                               form="fused")]
+    assert set(configs) <= set(config_space(SHAPE))
+    model = _few_vs_many(synthetic_model(SHAPE, configs, np.random.default_rng(0), hw=HARDWARE["h200"]), 0, 1)
+    save_model(model, path / model_filename("h200", SHAPE, "bfloat16"), dtype="bfloat16")
+    return configs
+
+
+def _weights(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(SHAPE.num_experts, 2 * SHAPE.intermediate, SHAPE.hidden, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate, generator=g) * 0.2).to(dtype)
+    return w13, w2
+
+
+def _routing(experts: list[int], seed: int):
+    """M tokens whose K slots name only ``experts`` (each at least once), random weights."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts)
+    ids = pool[torch.randint(0, len(experts), (M, SHAPE.top_k), generator=g)]
+    ids.view(-1)[: len(experts)] = pool
+    return ids, torch.rand(M, SHAPE.top_k, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_moe_auto_runs_the_chosen_config_exactly(models_dir, dtype):
+    configs = _token_model(models_dir)
+    w13, w2 = _weights(dtype)
+    x = torch.randn(M, SHAPE.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ids0, w0 = _routing([0, 1, 2, 3], seed=0)
+    y0 = fused_moe(x, w13, w2, ids0, w0, config="auto")
+    s = sel.selector_for(4, 2, 256, 128, dtype=torch.bfloat16, device="cpu")
+    assert not s.fallback and s.host_reads == 0  # the first call at M: the static choice, nothing read
+    assert s.last == s.static_choice(M) and torch.equal(y0, fused_moe(x, w13, w2, ids0, w0, s.last))
+    seen = set()
+    for seed, experts in enumerate(([0, 1], [0, 1, 2, 3], [2, 3], [1, 2, 3])):
+        ids, w = _routing(experts, seed)
+        y = fused_moe(x, w13, w2, ids, w, config="auto")
+        assert s.host_reads == seed + 1  # outside a step: one read per call
+        want = configs[0] if len(experts) <= 2 else configs[1]
+        counts = np.bincount(ids.reshape(-1).numpy(), minlength=4)
+        assert s.last == want == configs[s.model.choose(counts, M)]
+        assert torch.equal(y, fused_moe(x, w13, w2, ids, w, want))
+        other = configs[1] if want == configs[0] else configs[0]
+        if dtype == torch.float32:  # (fp16's rounding of the output hides the difference here)
+            assert not torch.equal(y, fused_moe(x, w13, w2, ids, w, other))
+        seen.add(s.last)
+    assert seen == set(configs[:2])
+
+
+def test_fused_moe_auto_in_a_step_reads_once(models_dir):
+    _token_model(models_dir)
+    w13, w2 = _weights(torch.float32)
+    x = torch.randn(M, SHAPE.hidden, generator=torch.Generator().manual_seed(2))
+    fused_moe(x, w13, w2, *_routing([0, 1], 0), config="auto")  # the first call at M (static)
+    s = sel.selector_for(4, 2, 256, 128, dtype=torch.bfloat16, device="cpu")
+    for step in range(3):
+        picks = set()
+        with sel.step():
+            for k, experts in enumerate(([0, 1], [0, 1, 2, 3], [3, 2])):  # three layers' routings
+                fused_moe(x, w13, w2, *_routing(experts, 10 * step + k), config="auto")
+                picks.add(s.last)
+        assert s.host_reads == step + 1 and len(picks) == 1  # the step's first routing decided for all
+
+
+def test_fallback_auto_runs_its_choice_and_warns_once(models_dir):
+    w13, w2 = _weights(torch.float32)
+    x = torch.randn(M, SHAPE.hidden, generator=torch.Generator().manual_seed(3))
+    ids, w = _routing([0, 2, 3], 4)
+    with pytest.warns(UserWarning, match="moekit ramp profile --experts 4 --top-k 2 --hidden 256"):
+        first = fused_moe(x, w13, w2, ids, w, config="auto")
+    s = sel.selector_for(4, 2, 256, 128, dtype=torch.bfloat16, device="cpu")
+    from moekit.kernels.configs import default_config
+
+    assert s.fallback and s.last == default_config(M, s.shape)  # the static choice without a model
+    assert torch.equal(first, fused_moe(x, w13, w2, ids, w, s.last))
+    y = fused_moe(x, w13, w2, ids, w, config="auto")
+    assert s.host_reads == 1 and s.last in s.configs  # then the region analysis' template
+    assert torch.equal(y, fused_moe(x, w13, w2, ids, w, s.last))
+
+
+def test_bad_config_names_the_choices():
+    w13, w2 = _weights(torch.float32)
+    x = torch.zeros(M, SHAPE.hidden)
+    ids, w = _routing([0, 1], 0)
+    with pytest.raises(ValueError, match="'auto' or None"):
+        fused_moe(x, w13, w2, ids, w, config="fast")
+    with pytest.raises(ValueError, match="'auto' or None"):
+        fused_moe_expert_major(torch.zeros(4, 8, SHAPE.hidden), torch.zeros(4, dtype=torch.int32), w13, w2, "bm16")
+
+
+# -- the expert-major family (fused_moe_expert_major, FusedExperts) -----------------------------------
+
+CAPACITY = 8
+
+
+def _expert_major_model(path, top_k: int = 2) -> list[KernelConfig]:
+    """A model file of another K than any caller states: the expert-major selector takes any K's."""
+    configs = [_two_launch(64), _two_launch(128), _two_launch(64, bm=32)]
+    assert set(configs) <= set(config_space(SHAPE))
+    shape = MoEShape("auto", SHAPE.num_experts, top_k, SHAPE.hidden, SHAPE.intermediate)
+    model = _few_vs_many(synthetic_model(shape, configs, np.random.default_rng(1), family="expert_major",
+                                         capacity=CAPACITY), 0, 1)
+    save_model(model, path / model_filename("h200", shape, "bfloat16", "expert_major"), dtype="bfloat16")
+    return configs
+
+
+def _counts(named: list[int]) -> torch.Tensor:
+    c = torch.zeros(SHAPE.num_experts, dtype=torch.int32)
+    c[named] = torch.tensor([3, 8, 1, 5][: len(named)], dtype=torch.int32)
+    return c
+
+
+def test_expert_major_auto_runs_the_chosen_config_exactly(models_dir):
+    configs = _expert_major_model(models_dir, top_k=3)
+    w13, w2 = _weights(torch.float32, seed=5)
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=torch.Generator().manual_seed(6))
+    fused_moe_expert_major(tokens, _counts([0, 1]), w13, w2, "auto")  # the static choice
+    s = sel.selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                         capacity=CAPACITY)
+    assert not s.fallback and s.shape.top_k == 3 and s.host_reads == 0
+    for k, named in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3])):
+        counts = _counts(named)
+        y = fused_moe_expert_major(tokens, counts, w13, w2, "auto")
+        assert s.host_reads == k + 1 and s.last == configs[0 if len(named) <= 2 else 1]
+        want = fused_moe_expert_major(tokens, counts, w13, w2, s.last)
+        other = fused_moe_expert_major(tokens, counts, w13, w2, configs[1] if s.last == configs[0] else configs[0])
+        valid = [(e, n) for e, n in enumerate(counts.tolist()) if n]  # rows past the counts are unspecified
+        assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in valid)
+        assert not all(torch.equal(y[e, :n], other[e, :n]) for e, n in valid)
+
+
+def test_fused_experts_choose_per_step_and_run_the_choice(models_dir):
+    configs = _expert_major_model(models_dir)
+    w13, w2 = _weights(torch.float32, seed=7)
+    layers = [FusedExperts(w13, w2) for _ in range(3)]
+    assert all(m.config == "auto" for m in layers)  # the default
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=torch.Generator().manual_seed(8))
+    s = None
+    for step, first_named in enumerate(([0, 1, 2, 3], [0, 1], [0, 1, 2], [3])):
+        for k, m in enumerate(layers):
+            counts = _counts(first_named if k == 0 else [k, 3])
+            y = m(tokens, counts)
+            want = fused_moe_expert_major(tokens, counts, w13, w2, m.last_config)
+            assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+        s = s or sel.selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                                  capacity=CAPACITY)
+        # A layer coming back starts a step; the first step ran the static choice (no read).
+        assert s.host_reads == step
+        assert {m.last_config for m in layers} == {s.static_choice(CAPACITY) if step == 0 else
+                                                   configs[0 if len(first_named) <= 2 else 1]}
+
+
+def test_fused_experts_default_mode_is_the_kernels_default():
+    w13, w2 = _weights(torch.float32, seed=9)
+    m = FusedExperts(w13, w2, config="default")
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=torch.Generator().manual_seed(10))
+    counts = _counts([0, 2])
+    y = m(tokens, counts)
+    assert m.last_config == expert_major_default(CAPACITY, False)
+    want = fused_moe_expert_major(tokens, counts, w13, w2, None)
+    assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+
+
+def test_expert_major_fallback_keeps_the_schedule_that_follows_the_counts(models_dir):
+    """Region B (split-K templates for the token path): the expert-major fallback offers only
+    two_launch with split_k = 1, the schedule whose cost follows the counts."""
+    with pytest.warns(UserWarning, match="--top-k K --hidden 7168"):
+        s = sel.selector_for(8, None, 7168, 2048, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                             capacity=64)
+    from moekit.ramp.fallback import templates
+
+    assert any(c.split_k > 1 for c in templates(s.shape, s.hardware))
+    assert s.fallback and s.configs and all(c.form == "two_launch" and c.split_k == 1 for c in s.configs)
+    assert s.static_choice(64) == expert_major_default(64, False)
+    counts = torch.tensor([64, 0, 3, 17, 64, 1, 0, 9], dtype=torch.int32)
+    assert s.select(counts=counts, M=64) in s.configs
