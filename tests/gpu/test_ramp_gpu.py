@@ -185,7 +185,7 @@ def test_fused_experts_auto_reads_once_per_step(models_dir):
     em = [c for c in DECODE if c.bm == 16]
     _save(_model(em + [DECODE[2]], [(10, 2), (30, 0), (1000, 0)], "expert_major", CAPACITY), models_dir)
     _, w13, w2 = _inputs(1, seed=3)
-    layers = [FusedExperts(w13, w2) for _ in range(4)]
+    layers = [FusedExperts(w13, w2, config="auto") for _ in range(4)]
     g = torch.Generator(device=DEV).manual_seed(4)
     tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
     s = None
@@ -249,7 +249,7 @@ def test_captured_auto_call_replays_the_static_choice(models_dir, fitted):
 
 def test_captured_fused_experts_replay_the_static_choice(models_dir):
     _, w13, w2 = _inputs(1, seed=6)
-    experts = FusedExperts(w13, w2)
+    experts = FusedExperts(w13, w2, config="auto")
     g = torch.Generator(device=DEV).manual_seed(7)
     tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
     counts = torch.randint(0, CAPACITY + 1, (SHAPE.num_experts,), generator=g, device=DEV, dtype=torch.int32)

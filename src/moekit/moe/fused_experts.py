@@ -38,12 +38,13 @@ class FusedExperts(nn.Module):
       with their scales as they are (no dequantize/requantize round trip), other tokens are
       quantized per 128 columns by the kernel's prologue. H and N must be multiples of 128.
 
-    ``config``: ``"auto"`` (or None, the default): RaMP chooses the kernel configuration from
+    ``config``: ``"default"`` (or None, the default): the kernel's static default for the
+    capacity (never reads the host). ``"auto"``: RaMP chooses the kernel configuration from
     the counts (:func:`moekit.ramp.select.auto_config_expert_major`): one host read per forward
     step, shared by every ``FusedExperts`` of the step (the per-step cache; this module is the
     layer key); inside a CUDA-graph capture, and at the first call of a capacity, the static
     choice for the capacity, with no host read, so the call can be captured after one warm-up
-    call. ``"default"``: the kernel's static default for the capacity (never reads the host). A
+    call (opt-in until its GPU tests have run on the device; see docs/ramp.md). A
     :class:`moekit.kernels.KernelConfig`: that one (FP8-valid when ``fp8``). ``last_config``: the
     configuration the last call ran.
     """
@@ -55,7 +56,7 @@ class FusedExperts(nn.Module):
 
         if not kernels.HAVE_TRITON:
             raise RuntimeError("FusedExperts needs Triton: pip install 'moekit[triton]'")
-        config = "auto" if config is None else config
+        config = "default" if config is None else config
         if not (isinstance(config, kernels.KernelConfig) or (isinstance(config, str) and config in CONFIG_MODES)):
             raise ValueError(f"config must be a moekit.kernels.KernelConfig, one of {CONFIG_MODES} or None, "
                              f"got {config!r}")
