@@ -64,6 +64,7 @@ from moekit.bench.stats import summarize
 from moekit.bench.timing import capture_graph, queue_timed
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
 from moekit.ep.dispatcher import weighted_slot_sum
+from moekit.ep.lowlatency.buffers import DEFAULT_BETA as DEFAULT_BUFFER_BETA
 from moekit.ep.lowlatency.buffers import DEFAULT_EPS as DEFAULT_BUFFER_EPS
 from moekit.ep.lowlatency.buffers import DEFAULT_SHAPES as DEFAULT_BUFFER_SHAPES
 from moekit.shapes import get_shape
@@ -776,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     b.add_argument("--max-m", type=int, default=128,
                    help="tokens per rank of the synthetic rows, >= 1 (default %(default)s)")
+    b.add_argument("--buffer-beta", type=float, default=DEFAULT_BUFFER_BETA,
+                   help="balancedness of the synthetic routing in (0, 1]; 1 = uniform (default %(default)s: that of "
+                        "the recorded OLMoE-architecture prefill trace)")
     b.add_argument("--buffer-steps", type=int, default=16,
                    help="synthetic steps per row, >= 2 (capacity from the first half; default %(default)s)")
     b.add_argument("--trace", action="append", default=[], metavar="FILE=SHAPE",
@@ -807,6 +811,8 @@ def run_buffer_report(args) -> dict:
             raise ValueError(f"{flag} must be >= {low}, got {values}")
     if not 0.0 < args.quantile <= 1.0:
         raise ValueError(f"--quantile must be in (0, 1], got {args.quantile}")
+    if not 0.0 < args.buffer_beta <= 1.0:
+        raise ValueError(f"--buffer-beta must be in (0, 1], got {args.buffer_beta}")
     traces = []
     for item in args.trace:
         path, sep, shape = item.rpartition("=")
@@ -824,10 +830,10 @@ def run_buffer_report(args) -> dict:
     rows = []
     for shape in args.buffer_shapes:
         rows += shape_report(shape, eps=tuple(args.eps), max_m=args.max_m, quantile=args.quantile,
-                             steps=args.buffer_steps, seed=args.seed, progress=progress)
+                             steps=args.buffer_steps, beta=args.buffer_beta, seed=args.seed, progress=progress)
     for trace, label, shape in traces:
         rows += trace_report(trace, label, shape, eps=tuple(args.eps), quantile=args.quantile, progress=progress)
-    record = {"params": dict(quantile=args.quantile, eps=list(args.eps), max_m=args.max_m,
+    record = {"params": dict(quantile=args.quantile, eps=list(args.eps), max_m=args.max_m, beta=args.buffer_beta,
                              buffer_steps=args.buffer_steps, shapes=list(args.buffer_shapes),
                              traces=[label for _, label, _ in traces], device="cpu (computed, nothing timed)"),
               "results": {"rows": rows}, "text": format_report(rows)}
