@@ -157,3 +157,21 @@ def test_every_dispatcher_in_rank_order_on_8_ranks():
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:8]}"
         assert result["compared"] == 4 * (4 + 2)
+
+
+def test_lowlatency_rank_order_takes_the_weights_of_dispatch():
+    """The expert side weighted the outputs with the weights sent at dispatch: the paper's
+    combine(expert_out, ids, weights, meta) must pass the same ones (one process)."""
+    T, H, K, E = 5, 32, 3, 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    layer = EPLowLatencyAllToAll(T, H, K, E, dtype=torch.float32, online_fp8=False, combine_order="rank")
+    d = layer.dispatch(x, ids, w)
+    y = layer.combine(d.tokens, ids, w, d.meta)
+    assert torch.equal(y, layer.combine(d.tokens, d))
+    with pytest.raises(ValueError, match="topk_weights: combine_order='rank' sums the weighted outputs"):
+        layer.combine(d.tokens, ids, w * 2, d.meta)
+    with pytest.raises(ValueError, match="topk_weights: combine_order='rank' weights the expert outputs"):
+        layer.dispatch(x, ids)  # no weights: the expert ranks could not weight the outputs
