@@ -302,7 +302,8 @@ class _FixedBufferDispatcher(PlacedExperts):
                      overflow=largest > rows, invalid_ids=invalid_by_rank.any(), invalid_by_rank=invalid_by_rank)
         if self.combine_order == "rank":  # what the expert side needs to sum each token's slots
             weight = torch.zeros(spare + 1, dtype=torch.float32, device=device)
-            weight.index_copy_(0, dest.reshape(-1), header[..., _WEIGHT].to(torch.int32).view(torch.float32).reshape(-1))
+            bits = header[..., _WEIGHT].to(torch.int32)
+            weight.index_copy_(0, dest.reshape(-1), bits.view(torch.float32).reshape(-1))
             state.update(row_weight=weight[:spare], row_token=header[..., _TOKEN], src_rank=handle[0, :spare],
                          src_token=handle[1, :spare], src_slot=handle[2, :spare])
         return Dispatched(tokens[:spare].view(E_local, cap, H), per_source.sum(0),

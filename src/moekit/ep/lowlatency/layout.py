@@ -477,7 +477,7 @@ def fan_out_window(out: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, m
     integer view, the last row a spare): row (s, i) of ``rows [world, n, X]`` is token
     ``table[s, i]`` of source s and goes to every local expert row serving one of its slots."""
     P, n, X = rows.shape
-    K, M = layout.topk, layout.max_m
+    K = layout.topk
     spare = out.shape[0] - 1
     token = table.clamp(min=0)
     slot_row = meta.slot_row.gather(1, token.unsqueeze(2).expand(P, n, K))  # [P, n, K]
