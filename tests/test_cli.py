@@ -121,7 +121,7 @@ def test_a_reader_that_stops_reading_is_no_error():
 
 def _parsers():
     """Every parser of the command line, the pass-through benchmarks' own included."""
-    from moekit.bench import capspill, kernel, lowlatency
+    from moekit.bench import capspill, combine_order, kernel, lowlatency
     from moekit.cli import build_parser
 
     todo, seen = [build_parser()], []
@@ -131,7 +131,8 @@ def _parsers():
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 todo += list(action.choices.values())
-    return seen + [capspill.build_parser(), kernel.build_parser(), lowlatency.build_parser()]
+    return seen + [capspill.build_parser(), kernel.build_parser(), lowlatency.build_parser(),
+                   combine_order.build_parser()]
 
 
 def test_every_option_has_help_and_presets_are_listed():

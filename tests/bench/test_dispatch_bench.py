@@ -34,3 +34,32 @@ def test_device_defaults_and_bad_config():
                          ({"world_size": 0}, "world_size")):
         with pytest.raises(ValueError, match=f"{name} must be an int >= "):
             run_dispatch_bench(DispatchBenchConfig(**kwargs), out_dir=None)
+
+
+def test_both_combine_orders_in_one_run(tmp_path):
+    """--combine-order both: both orders timed, and the rows each combine returns: one per
+    (token, slot) in the slot order, one per (token, rank) in the rank order, counted here
+    from the benchmark's own routing pool."""
+    import pytest
+
+    from moekit.routing import synthetic_routing
+
+    cfg = DispatchBenchConfig(shape="deepseek-v3", tokens_per_rank=4, world_size=2, hidden=32, top_k=4,
+                              num_experts=8, iters=3, warmup=1, pool=3, combine_order="both")
+    record = run_dispatch_bench(cfg, out_dir=str(tmp_path))
+    r = load_record(record["path"])["results"]
+    for key in ("dispatch", "combine", "dispatch+combine", "dispatch [rank]", "combine [rank]",
+                "dispatch+combine [rank]"):
+        assert r[key]["n"] == 3
+    groups = []
+    for i in range(cfg.pool):
+        ids, _ = synthetic_routing(2 * 4, 8, 4, beta=1.0, seed=i)
+        owner = ids // 4  # 4 experts per rank
+        groups.append(sum(int((owner == d).any(1).sum()) for d in range(2)) / 2)  # per rank
+    assert r["combine_rows_per_rank_mean"] == 4 * 4  # every (token, slot)
+    assert r["combine_rows_per_rank_mean [rank]"] == sum(groups) / len(groups)
+    assert r["combine_bytes_per_rank_mean [rank]"] == r["combine_rows_per_rank_mean [rank]"] * 32 * 4
+    text = format_dispatch_bench(record)
+    assert "combine, rank order:" in text and "dispatch+combine [rank]" in text
+    with pytest.raises(ValueError, match="combine_order must be one of"):
+        run_dispatch_bench(DispatchBenchConfig(combine_order="tokens"), out_dir=None)

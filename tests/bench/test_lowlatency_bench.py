@@ -103,3 +103,46 @@ def test_device_defaults():
     cpu = LowLatencyBenchConfig(tokens=(2,)).for_device(False)
     assert cpu.tokens == (2,) and cpu.iters == CPU_DEFAULTS["iters"] < gpu.iters
     assert LowLatencyBenchConfig().shape_label == "deepseek-v3"
+
+
+def test_both_orders_and_a_bounded_buffer_in_one_run(tmp_path):
+    """--combine-order both --recv-capacity: every variant timed and count-checked on 2 CPU
+    ranks; the rank order's combine floor is one row per (token, remote rank)."""
+    cfg = LowLatencyBenchConfig(world_size=2, hidden=128, top_k=4, num_experts=8, tokens=(3,), iters=2, warmup=1,
+                                routings=3, methods=("lowlatency", "alltoall"), combine_order="both", recv_capacity=2)
+    record = run_lowlatency_bench(cfg, out_dir=str(tmp_path), figures=False)
+    r = load_record(record["path"])["results"]
+    assert set(r["series"]) == {"lowlatency", "lowlatency[C=2]", "lowlatency[rank]", "lowlatency[rank, C=2]",
+                                "alltoall", "alltoall[rank]"}
+    assert all(v == {"3": True} for v in r["checks"].values()) and len(r["checks"]) == 4
+    slot, rank = r["byte_floor"]["lowlatency"]["3"], r["byte_floor"]["lowlatency[rank]"]["3"]
+    assert rank["combine_bytes"] < slot["combine_bytes"]
+    assert r["byte_floor"]["alltoall[rank]"]["3"]["combine_bytes"] < r["byte_floor"]["alltoall"]["3"]["combine_bytes"]
+    assert "lowlatency/lowlatency[rank]" in r["ratios"]["3"] and r["skipped"] == {}
+    assert "lowlatency[rank, C=2]" in format_lowlatency_bench(record)
+
+
+def test_buffer_report_from_the_cli(tmp_path, capsys):
+    """--buffers: rows computed from the layout for a preset and for a recorded trace; the
+    bounded bytes are the layout's at the reported capacity."""
+    from moekit.ep.lowlatency.buffers import layout_for
+
+    trace = "benchmarks/traces/olmoe-stdlib.npz"
+    code = cli_main(["bench", "lowlatency", "--buffers", "--buffer-shapes", "qwen3-30b-a3b", "--eps", "8", "64",
+                     "--max-m", "32", "--buffer-steps", "4", "--mixtral-steps", "4", "--trace",
+                     f"{trace}=olmoe-1b-7b", "--out-dir", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b" in out and "olmoe-stdlib.npz (recorded)" in out and "Mixtral" in out
+    rows = load_record(next(tmp_path.glob("*.json")))["results"]["rows"]
+    assert [(r["shape"], r["world_size"]) for r in rows][:2] == [("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 64)]
+    for r in rows:
+        bounded = layout_for(r["shape"], r["world_size"], r["max_m"], recv_capacity=r["capacity"])
+        assert r["bounded"] == bounded.buffer_bytes()
+        assert r["worst"] == layout_for(r["shape"], r["world_size"], r["max_m"]).buffer_bytes()
+        sp = r["spill"]
+        assert all(0.0 <= sp[k] <= 1.0 for k in ("token_fraction", "pair_fraction", "step_fraction"))
+        assert (sp["token_fraction"] > 0) == (sp["pair_fraction"] > 0) == (sp["max_rounds"] > 0)
+        assert r["capacity"] == r["max_m"] or r["capacity"] + r["spill_rows"] < r["max_m"]
+    assert cli_main(["bench", "lowlatency", "--buffers", "--quantile", "0", "--no-record"]) == 2
+    assert "--quantile must be in (0, 1]" in capsys.readouterr().err

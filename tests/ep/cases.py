@@ -85,10 +85,11 @@ def fake_experts(tokens: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.stack([fake_expert_rows(tokens[e], rank * E_local + e) for e in range(E_local)])
 
 
-def expected_combine(xs, ids, ws, E, dtype):
-    """Per source rank: the combine of the fake experts, built from the loop reference."""
+def expected_combine(xs, ids, ws, E, dtype, combine_order: str = "slot"):
+    """Per source rank: the combine of the fake experts, built from the loop reference (in
+    the given combine order)."""
     from moekit.ep.reference import expected_dispatch
-    from moekit.moe.reference import reference_slot_sum
+    from moekit.moe.reference import reference_rank_sum, reference_slot_sum
 
     P = len(xs)
     slot_out = [torch.zeros(i.shape[0], i.shape[1], x.shape[1], dtype=dtype) for x, i in zip(xs, ids)]
@@ -97,4 +98,6 @@ def expected_combine(xs, ids, ws, E, dtype):
             out = fake_expert_rows(rows["tokens"], dest * (E // P) + e)
             for j in range(out.shape[0]):
                 slot_out[int(rows["src_rank"][j])][int(rows["src_token"][j]), int(rows["src_slot"][j])] = out[j]
+    if combine_order == "rank":
+        return [reference_rank_sum(slot_out[r], ids[r], ws[r], dtype, E, P) for r in range(P)]
     return [reference_slot_sum(slot_out[r], ids[r], ws[r], dtype) for r in range(P)]

@@ -105,3 +105,30 @@ def test_spill_bound_holds_for_every_routing_and_is_reached(T, K, E_local, P, C,
     # one source sends one expert at most min(C + S, T * K) rows, so P sources fit the expert capacity
     per_expert = torch.bincount(routed, minlength=E)
     assert int(per_expert.max()) * P <= expert_capacity(P, T, K, C + S)
+
+
+def test_token_counts_count_one_copy_per_destination_rank():
+    """count="tokens": a token whose slots share a rank counts once there (pairs count each)."""
+    # 2 ranks x 2 tokens, top-2, 4 experts (2 per rank)
+    ids = np.array([[[[0, 1], [0, 2], [3, -1], [-1, -1]]]], dtype=np.int64)
+    trace = RoutingTrace(ids, num_experts=4)
+    assert trace_peer_counts(trace, 2).reshape(4).tolist() == [3, 1, 0, 1]
+    assert trace_peer_counts(trace, 2, "tokens").reshape(4).tolist() == [2, 1, 0, 1]
+    cal = calibrate_capacity(trace, 1.0, 2, count="tokens")
+    assert cal.capacity == cal.max_count == 2 and cal.count == "tokens"
+    with pytest.raises(ValueError, match="count must be one of"):
+        calibrate_capacity(trace, 0.5, 2, count="rows")
+
+
+def test_token_counts_against_a_loop():
+    g = np.random.default_rng(3)
+    E, P, T, K = 16, 4, 12, 3
+    ids = g.integers(-1, E, size=(3, 2, T, K))
+    got = trace_peer_counts(RoutingTrace(ids, num_experts=E), P, "tokens")
+    for s in range(3):
+        for layer in range(2):
+            want = np.zeros((P, P), dtype=np.int64)
+            for t in range(T):
+                for d in {int(e) // (E // P) for e in ids[s, layer, t] if e >= 0}:
+                    want[t // (T // P), d] += 1
+            assert got[s, layer].tolist() == want.tolist()

@@ -6,17 +6,18 @@ forms, and the low-latency layer on its gloo transport — is driven only throug
 dispatched)``, over the adversarial routings of ``tests/ep/cases.py``
 (``ADVERSARIAL_CASES``: all tokens to one expert, all to one rank, a rank with T = 0,
 T = max, K = 1 and K = E, fully and partly masked rows, duplicate ids within a row, ...),
-on one process (no process group: the single-process mode) and on 2 and 4 gloo ranks.
-The objects of a K are built once and run every case of that K in turn, more than 20
-changing steps on one object.
+on one process (no process group: the single-process mode) and on 2 and 4 gloo ranks, in
+both combine orders (``combine_order="slot"`` and ``"rank"``). The objects of a K are built
+once and run every case of that K in turn, more than 20 changing steps on one object.
 
 Each step is compared with ``torch.equal`` against the single-process loop reference:
 the received rows and their handle against ``moekit.ep.reference.expected_dispatch``
 (one row per (token, slot); the low-latency layer keeps one row per (token, expert), the
 first slot naming it, and sends its output to every such slot), and the combine of a
 per-row expert function against ``moekit.moe.reference.reference_slot_sum`` of the same
-function applied token by token. Rows past ``counts`` are NaN in ``expert_out``: combine
-must never read them.
+function applied token by token (the slot order), or against
+``moekit.ep.dispatcher.weighted_rank_sum`` of those slot outputs (the rank order). Rows past
+``counts`` are NaN in ``expert_out``: combine must never read them.
 
 One launch per world size runs everything, to keep the spawn cost out of the case count.
 """
@@ -26,8 +27,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.ep import (AllToAllDispatcher, CapAndSpillDispatcher, Dispatcher, EPLowLatencyAllToAll,
-                       MaxCountsDispatcher)
+from moekit.ep import (COMBINE_ORDERS, AllToAllDispatcher, CapAndSpillDispatcher, Dispatcher, EPLowLatencyAllToAll,
+                       MaxCountsDispatcher, weighted_rank_sum)
 from moekit.ep.reference import expected_dispatch
 from moekit.moe.reference import reference_slot_sum
 from tests.ep.cases import ADVERSARIAL_CASES, MAX_TOKENS, build_case
@@ -37,20 +38,26 @@ SEEDS = (0, 1, 2)
 BF16_CASES = ("skewed", "duplicates", "t_max")  # the rest run in float32
 
 
-def dispatchers(num_experts: int, top_k: int, dtypes) -> dict:
-    """Every dispatcher, by name, for one (E, K); ``per_token_rows`` marks the layer that
-    keeps one row per (token, expert)."""
-    T, K = MAX_TOKENS, top_k
+def dispatchers(num_experts: int, top_k: int, dtypes, combine_order: str = "slot") -> dict:
+    """Every dispatcher, by name, for one (E, K) and combine order; ``per_token_rows`` marks
+    the layer that keeps one row per (token, expert). The low-latency layer runs with the
+    worst-case receive buffer and with a bounded one (one row per source: nearly every step
+    spills)."""
+    T, K, order = MAX_TOKENS, top_k, combine_order
     out = {
-        "alltoall": AllToAllDispatcher(num_experts, top_k=K, max_tokens=T),
-        "maxcounts": MaxCountsDispatcher(num_experts, T * K, T, top_k=K),
-        "capspill(C=1)": CapAndSpillDispatcher(num_experts, 1, T, top_k=K),
-        "capspill-conditional(C=3)": CapAndSpillDispatcher(num_experts, 3, T, top_k=K, conditional=True),
+        "alltoall": AllToAllDispatcher(num_experts, top_k=K, max_tokens=T, combine_order=order),
+        "maxcounts": MaxCountsDispatcher(num_experts, T * K, T, top_k=K, combine_order=order),
+        "capspill(C=1)": CapAndSpillDispatcher(num_experts, 1, T, top_k=K, combine_order=order),
+        "capspill-conditional(C=3)": CapAndSpillDispatcher(num_experts, 3, T, top_k=K, conditional=True,
+                                                           combine_order=order),
     }
     for dtype in dtypes:
-        out[f"lowlatency({str(dtype)[6:]})"] = EPLowLatencyAllToAll(T, 24, K, num_experts, dtype=dtype,
-                                                                   online_fp8=False)
-    return out
+        name = str(dtype)[6:]
+        out[f"lowlatency({name})"] = EPLowLatencyAllToAll(T, 24, K, num_experts, dtype=dtype, online_fp8=False,
+                                                          combine_order=order)
+        out[f"lowlatency-bounded(C=1)({name})"] = EPLowLatencyAllToAll(
+            T, 24, K, num_experts, dtype=dtype, online_fp8=False, combine_order=order, recv_capacity=1)
+    return {f"{key} [{order}]": d for key, d in out.items()}
 
 
 def per_token_rows(name: str) -> bool:
@@ -86,7 +93,8 @@ def expert_outputs(dispatched, rank: int) -> torch.Tensor:
     return torch.where(valid.unsqueeze(2), out, torch.full_like(out, float("nan")))
 
 
-def reference_combine(x, ids, w, dtype) -> torch.Tensor:
+def reference_combine(x, ids, w, dtype, combine_order: str = "slot", *, num_experts: int = 0,
+                      world_size: int = 1) -> torch.Tensor:
     """The combine of expert_fn for one rank's tokens, slot by slot, on one process."""
     T, K = ids.shape
     slot_out = torch.zeros(T, K, x.shape[1], dtype=dtype)
@@ -94,6 +102,8 @@ def reference_combine(x, ids, w, dtype) -> torch.Tensor:
         for k in range(K):
             if int(ids[t, k]) >= 0:
                 slot_out[t, k] = expert_fn(x[t:t + 1], int(ids[t, k]))[0]
+    if combine_order == "rank":
+        return weighted_rank_sum(slot_out, ids, w, dtype, num_experts=num_experts, world_size=world_size)
     return reference_slot_sum(slot_out, ids, w, dtype)
 
 
@@ -132,24 +142,28 @@ def check_step(name: str, d, rank: int, case: str, seed: int, world_size: int) -
             if not torch.equal(got[e, :n], want[key]) or not bool((got[e, n:] == -1).all()):
                 bad.append(f"{where}: expert {e}'s {key} differs from the reference")
     y = d.combine(expert_outputs(dispatched, rank), dispatched)
-    if not torch.equal(y, reference_combine(xs[rank], ids[rank], ws[rank], dtype)):
+    want = reference_combine(xs[rank], ids[rank], ws[rank], dtype, d.combine_order, num_experts=E,
+                             world_size=world_size)
+    if not torch.equal(y, want):
         bad.append(f"{where}: combine differs from the reference")
     return bad
 
 
 def run_contract(rank: int, world_size: int) -> dict:
-    """Every dispatcher on every step of its K; the mismatches and what was compared."""
+    """Every dispatcher on every step of its K, in both combine orders; the mismatches and
+    what was compared."""
     failures, compared = [], []
     for top_k, steps in steps_by_top_k(world_size).items():
         E = 4 * world_size
         # Sorted: a set of dtypes iterates in a per-process order, and every rank must build
         # its dispatchers in the same order (the configuration check caught exactly that).
-        made = dispatchers(E, top_k, sorted({case_dtype(case) for case, _ in steps}, key=str))
+        dtypes = sorted({case_dtype(case) for case, _ in steps}, key=str)
+        made = {name: d for order in COMBINE_ORDERS for name, d in dispatchers(E, top_k, dtypes, order).items()}
         for name, d in made.items():
             assert isinstance(d, Dispatcher), name
         for case, seed in steps:
             for name, d in made.items():
-                if per_token_rows(name) and not name.endswith(f"({str(case_dtype(case))[6:]})"):
+                if per_token_rows(name) and f"({str(case_dtype(case))[6:]}) [" not in name:
                     continue  # a low-latency layer takes one dtype
                 failures += check_step(name, d, rank, case, seed, world_size)
                 compared.append((name, case, seed))
@@ -157,7 +171,8 @@ def run_contract(rank: int, world_size: int) -> dict:
 
 
 def _expected_compared(world_size: int) -> int:
-    per_step = 4 + 1  # four dispatchers and the low-latency layer of the step's dtype
+    # per order: four dispatchers and the two low-latency layers of the step's dtype
+    per_step = len(COMBINE_ORDERS) * (4 + 2)
     return sum(len(steps) * per_step for steps in steps_by_top_k(world_size).values())
 
 

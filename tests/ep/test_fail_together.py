@@ -3,12 +3,14 @@
 One launch per world size runs every recoverable scenario on the same objects:
 
 * configuration: one rank builds a dispatcher with another E, H, K, max tokens, dtype,
-  capacity or mode, or a bad argument, or another class: every rank raises the same
-  ValueError, which names the field and each rank's value;
+  capacity, mode, combine order or receive capacity, or a bad argument, or another class:
+  every rank raises the same ValueError, which names the field and each rank's value;
 * bad input on one rank (bad ids, T > max, dtypes, shapes, a list for x, ...): every rank
   raises the same ValueError naming that rank, in the same step; the bad rank catches it
   and goes on, and the next (good) step of every rank equals the loop reference, so no
-  rank paired one step with another;
+  rank paired one step with another (also for the rank combine order, whose counts message
+  carries more, and for the low-latency layer with a bounded receive buffer, whose spill
+  rounds run before the error is raised);
 * the CUDA-graph path (capture stood in for on the CPU): bad ids on one rank are masked and
   flagged on the device, and ``check_replay`` raises the same error on every rank.
 
@@ -36,7 +38,8 @@ from tests.ep.deadline import run_ranks
 
 T_MAX, K, H = 6, 2, 8
 STEP_TIMEOUT = 20.0  # the dispatchers' bound on a wait for peers in the recoverable scenarios
-KINDS = ["alltoall", "maxcounts", "capspill", "capspill-cond", "lowlatency"]
+KINDS = ["alltoall", "maxcounts", "capspill", "capspill-cond", "lowlatency", "alltoall-rank",
+         "lowlatency-bounded-rank"]
 
 
 def num_experts(world_size: int) -> int:
@@ -44,10 +47,12 @@ def num_experts(world_size: int) -> int:
 
 
 def build(kind: str, E: int, *, hidden=H, top_k=K, max_tokens=T_MAX, dtype=torch.float32, capacity=None,
-          conditional=None, timeout=STEP_TIMEOUT):
+          conditional=None, timeout=STEP_TIMEOUT, combine_order=None, recv_capacity=None):
     """One dispatcher of ``kind`` (every argument can be varied per rank)."""
-    if kind == "alltoall":
-        return AllToAllDispatcher(E, hidden=hidden, top_k=top_k, max_tokens=max_tokens, dtype=dtype, timeout=timeout)
+    order = combine_order or ("rank" if kind.endswith("-rank") else "slot")
+    if kind in ("alltoall", "alltoall-rank"):
+        return AllToAllDispatcher(E, hidden=hidden, top_k=top_k, max_tokens=max_tokens, dtype=dtype, timeout=timeout,
+                                  combine_order=order)
     if kind == "alltoall-free":  # no limits: H and dtype may differ per step, but not across ranks
         return AllToAllDispatcher(E, timeout=timeout)
     if kind == "maxcounts":
@@ -60,7 +65,12 @@ def build(kind: str, E: int, *, hidden=H, top_k=K, max_tokens=T_MAX, dtype=torch
         return CapAndSpillDispatcher(E, 1 if capacity is None else capacity, max_tokens, top_k=top_k, hidden=hidden,
                                      dtype=dtype, conditional=cond, timeout=timeout)
     if kind == "lowlatency":
-        return EPLowLatencyAllToAll(max_tokens, hidden, top_k, E, dtype=dtype, online_fp8=False, timeout=timeout)
+        return EPLowLatencyAllToAll(max_tokens, hidden, top_k, E, dtype=dtype, online_fp8=False, timeout=timeout,
+                                    combine_order=order, recv_capacity=recv_capacity)
+    if kind == "lowlatency-bounded-rank":  # one row per source: nearly every step spills
+        return EPLowLatencyAllToAll(max_tokens, hidden, top_k, E, dtype=dtype, online_fp8=False, timeout=timeout,
+                                    combine_order=order, recv_capacity=1 if recv_capacity is None else recv_capacity,
+                                    spill_rows=1)
     raise AssertionError(kind)
 
 
@@ -90,7 +100,7 @@ def check_good_step(d, rank: int, world_size: int, seed: int, where: str) -> lis
         if n != want["tokens"].shape[0] or not torch.equal(dispatched.tokens[e, :n], want["tokens"]):
             bad.append(f"{where}: received rows of expert {e} differ from the reference")
     y = d.combine(fake_experts(dispatched.tokens, rank), dispatched)
-    if not torch.equal(y, expected_combine(xs, ids, ws, E, torch.float32)[rank]):
+    if not torch.equal(y, expected_combine(xs, ids, ws, E, torch.float32, d.combine_order)[rank]):
         bad.append(f"{where}: combine differs from the reference")
     return bad
 
@@ -245,11 +255,15 @@ def _config_cases(world_size: int):
             varied.append(("capacity", 3, 5))
         if kind.startswith("capspill"):
             varied.append(("conditional", False, True))
+        if kind in ("alltoall", "lowlatency"):
+            varied.append(("combine_order", "slot", "rank"))
+        if kind == "lowlatency":
+            varied.append(("recv_capacity", None, 2))
+        ll = kind.startswith("lowlatency")  # the layer's own names: max_m, topk
         for field, mine, theirs in varied:
-            name = {"top_k": "topk", "max_tokens": "max_m"}.get(field, field) if kind == "lowlatency" else field
+            name = {"top_k": "topk", "max_tokens": "max_m"}.get(field, field) if ll else field
             cases.append((f"{kind}: {field}", kind, {field: mine}, {field: theirs},
                           [f"{name} differs across ranks", repr(mine), repr(theirs)]))
-        ll = kind == "lowlatency"  # the layer's own names: max_m, topk
         cases.append((f"{kind}: max_tokens=-1 on one rank", kind, {}, {"max_tokens": -1},
                       ["max_m" if ll else "max_tokens", "-1"]))
         cases.append((f"{kind}: num_experts=8.0 on one rank", kind, {}, {"num_experts": 8.0}, ["num_experts", "8.0"]))

@@ -98,3 +98,52 @@ def test_layer_rejects_an_unknown_expert_kind():
         MoELayer(shape, MoEWeights.random(shape, seed=1), experts="cutlass")
     with pytest.raises(ValueError, match="kernel_config is for the fused experts"):
         MoELayer(shape, MoEWeights.random(shape, seed=1), kernel_config=object())
+
+
+# -- the combine order --------------------------------------------------------------------
+
+BF16_SHAPE = MoEShape("tiny-bf16", num_experts=8, top_k=4, hidden=64, intermediate=48)
+
+
+def _order_worker(rank, world_size, tokens_per_rank):
+    """The layer in both orders (bf16 weights, so the extra rounding of the rank order
+    shows), and the rank-order step done by hand through the dispatcher protocol."""
+    from moekit.ep import AllToAllDispatcher
+
+    shape = BF16_SHAPE
+    weights = MoEWeights.random(shape, seed=13, dtype=torch.bfloat16)
+    by_slot = MoELayer(shape, weights)
+    by_rank = MoELayer(shape, weights, combine_order="rank")
+    x = torch.randn(tokens_per_rank[rank], shape.hidden, generator=torch.Generator().manual_seed(300 + rank))
+    x = x.to(torch.bfloat16)
+    ids, w = by_rank.router(x)
+    d = by_rank.dispatcher.dispatch(x, ids, w)
+    by_hand = by_rank.dispatcher.combine(by_rank.experts(d.tokens, d.counts, d.scales), d)
+    out = dict(x=x, ids=ids, w=w, slot=by_slot(x, ids, w), rank=by_rank(x, ids, w), by_hand=by_hand,
+               order=by_rank.dispatcher.combine_order)
+    for bad in (lambda: MoELayer(shape, weights, combine_order="rank", dispatcher=AllToAllDispatcher(8)),
+                lambda: MoELayer(shape, weights, combine_order="tokens")):
+        try:
+            bad()
+            out.setdefault("errors", []).append("no error")
+        except ValueError as error:
+            out.setdefault("errors", []).append(str(error))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layer_in_both_combine_orders(world_size):
+    results = launch(_order_worker, world_size, [23, 0, 17, 30][:world_size], backend="gloo")
+    weights = MoEWeights.random(BF16_SHAPE, seed=13, dtype=torch.bfloat16).to(torch.float64)
+    differ = 0
+    for r in results:
+        assert r["order"] == "rank"
+        assert torch.equal(r["rank"], r["by_hand"])  # the layer combines through its dispatcher's rank order
+        if r["x"].shape[0]:
+            ref = reference_moe(r["x"], weights, r["ids"], r["w"])
+            for y in (r["slot"], r["rank"]):  # both within bf16 rounding of the float64 block
+                assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+        differ += int(not torch.equal(r["slot"], r["rank"]))
+        assert "combine_order='rank' but the dispatcher combines in the 'slot' order" in r["errors"][0]
+        assert "combine_order must be one of" in r["errors"][1]
+    assert differ  # the option changes the result: one more rounding per rank

@@ -9,6 +9,11 @@ slowest rank's time taken per iteration (``moekit.bench.timing.time_distributed`
 * combine alone (of an earlier dispatch of the same routing; identity experts);
 * the round trip dispatch -> combine.
 
+``combine_order`` picks the dispatcher's combine order: ``"slot"``, ``"rank"`` (series
+named ``"... [rank]"``), or ``"both"`` (both timed in one run). The record also holds the
+rows and bytes each rank's combine sends in each order (the rank order returns one row per
+(token, rank) instead of one per slot).
+
 The JSON record (``moekit.bench.report.write_record``) holds the environment (device,
 GPU count, versions, commit), the parameters, and the summary of every series.
 """
@@ -30,6 +35,13 @@ from moekit.routing import synthetic_routing
 from moekit.shapes import get_shape
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher}
+COMBINE_ORDER_CHOICES = ("slot", "rank", "both")
+PHASES = ("dispatch", "combine", "dispatch+combine")
+
+
+def series_key(phase: str, order: str) -> str:
+    """``dispatch`` (slot order) or ``dispatch [rank]``."""
+    return phase if order == "slot" else f"{phase} [{order}]"
 
 
 # Timed iterations and warm-up by device: on the CPU (gloo) one deepseek-v3 dispatch takes
@@ -53,6 +65,11 @@ class DispatchBenchConfig:
     pool: int = 16  # routings rotated through
     seed: int = 0
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
+    combine_order: str = "slot"  # slot, rank, or both
+
+    @property
+    def orders(self) -> tuple[str, ...]:
+        return ("slot", "rank") if self.combine_order == "both" else (self.combine_order,)
 
     def resolved_shape(self):
         s = get_shape(self.shape)
@@ -76,7 +93,6 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
     shape = cfg.resolved_shape()
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     T = cfg.tokens_per_rank
-    dispatcher = DISPATCHERS[cfg.dispatcher](shape.num_experts, hidden=shape.hidden, top_k=shape.top_k)
     gen = torch.Generator().manual_seed(cfg.seed * 131 + rank)
     pool = []
     for i in range(cfg.pool):
@@ -85,22 +101,28 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
                                    seed=cfg.seed * 10_000 + i)
         x = torch.randn(T, shape.hidden, generator=gen).to(device=device, dtype=dtype)
         pool.append((x, ids[rank * T:(rank + 1) * T].to(device), w[rank * T:(rank + 1) * T].to(device)))
-    dispatched = [dispatcher.dispatch(*p) for p in pool]
-
-    inputs, pairs = cycle(pool), cycle(dispatched)
-    series = {
-        "dispatch": lambda: dispatcher.dispatch(*next(inputs)),
-        "combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(next(pairs)),
-        "dispatch+combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(dispatcher.dispatch(*next(inputs))),
-    }
     out = {}
-    for name, fn in series.items():
-        start = time.perf_counter()
-        times = time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup)
-        out[name] = times.max_us
-        if rank == 0:
-            print(f"[bench dispatch] {name}: {cfg.iters} iterations after {cfg.warmup} warm-up, "
-                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    for order in cfg.orders:
+        dispatcher = DISPATCHERS[cfg.dispatcher](shape.num_experts, hidden=shape.hidden, top_k=shape.top_k,
+                                                 combine_order=order)
+        dispatched = [dispatcher.dispatch(*p) for p in pool]
+        inputs, pairs = cycle(pool), cycle(dispatched)
+        series = {
+            "dispatch": lambda: dispatcher.dispatch(*next(inputs)),
+            "combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(next(pairs)),
+            "dispatch+combine": lambda: (lambda d: dispatcher.combine(d.tokens, d))(
+                dispatcher.dispatch(*next(inputs))),
+        }
+        for phase, fn in series.items():
+            name = series_key(phase, order)
+            start = time.perf_counter()
+            times = time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup)
+            out[name] = times.max_us
+            if rank == 0:
+                print(f"[bench dispatch] {name}: {cfg.iters} iterations after {cfg.warmup} warm-up, "
+                      f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        combine_rows = [d.handle.state["combine_rows"] for d in dispatched]
+        out[series_key("combine_rows_mean", order)] = sum(combine_rows) / len(combine_rows)
     rows_sent = [sum(d.handle.state["send_splits"]) for d in dispatched]
     rows_remote = [sum(d.handle.state["send_splits"]) - d.handle.state["send_splits"][rank] for d in dispatched]
     out["rows_sent_mean"] = sum(rows_sent) / len(rows_sent)
@@ -128,11 +150,19 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "bench
         raise ValueError(f"beta must be in (0, 1], got {cfg.beta}")
     if cfg.dtype not in (None, "bfloat16", "float16", "float32"):
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
+    if cfg.combine_order not in COMBINE_ORDER_CHOICES:
+        raise ValueError(f"combine_order must be one of {list(COMBINE_ORDER_CHOICES)}, got {cfg.combine_order!r}")
     print(f"[bench dispatch] {cfg.dispatcher} on {cfg.world_size} ranks ({backend}), {cfg.shape_label}, "
-          f"{cfg.tokens_per_rank} tokens/rank: 3 series of {cfg.iters} iterations", file=sys.stderr, flush=True)
+          f"{cfg.tokens_per_rank} tokens/rank: {3 * len(cfg.orders)} series of {cfg.iters} iterations", file=sys.stderr,
+          flush=True)
     ranks = launch(_bench_rank, cfg.world_size, cfg, backend=backend)
     first = ranks[0]
-    results = {name: summarize(first[name]) for name in ("dispatch", "combine", "dispatch+combine")}
+    results = {series_key(phase, order): summarize(first[series_key(phase, order)])
+               for order in cfg.orders for phase in PHASES}
+    for order in cfg.orders:  # what combine sends back, per rank (the rank order: one row per (token, rank))
+        rows = sum(r[series_key("combine_rows_mean", order)] for r in ranks) / len(ranks)
+        results[series_key("combine_rows_per_rank_mean", order)] = rows
+        results[series_key("combine_bytes_per_rank_mean", order)] = rows * first["bytes_per_row"]
     results["rows_sent_per_rank_mean"] = sum(r["rows_sent_mean"] for r in ranks) / len(ranks)
     results["bytes_sent_per_rank_mean"] = results["rows_sent_per_rank_mean"] * first["bytes_per_row"]
     # Rows a rank sends to itself never cross the link: the bytes that do are these.
@@ -157,8 +187,15 @@ def format_dispatch_bench(record: dict) -> str:
             f"rows sent per rank (mean): {r['rows_sent_per_rank_mean']:.0f} "
             f"({r['bytes_sent_per_rank_mean'] / 1e6:.2f} MB, of which "
             f"{r.get('bytes_to_other_ranks_mean', float('nan')) / 1e6:.2f} MB to other ranks)\n")
-    rows = [{"phase": k, **{c: r[k][c] for c in ("median", "p95", "p99", "mean", "min")}}
-            for k in ("dispatch", "combine", "dispatch+combine")]
+    orders = ("slot", "rank") if p.get("combine_order") == "both" else (p.get("combine_order", "slot"),)
+    for order in orders:
+        key = series_key("combine_bytes_per_rank_mean", order)
+        if key in r:
+            head += (f"combine, {order} order: {r[series_key('combine_rows_per_rank_mean', order)]:.0f} rows per rank "
+                     f"({r[key] / 1e6:.2f} MB)\n")
+    rows = [{"phase": series_key(k, order), **{c: r[series_key(k, order)][c]
+                                               for c in ("median", "p95", "p99", "mean", "min")}}
+            for order in orders for k in PHASES]
     table = format_table(rows, ["phase", "median", "p95", "p99", "mean", "min"])
     tail = f"\n(µs, slowest rank per iteration){chr(10) + 'record: ' + record['path'] if 'path' in record else ''}"
     return head + table + tail

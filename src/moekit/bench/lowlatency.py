@@ -25,14 +25,25 @@ of the GPU in chunks, so the events time the GPU and not the host: see ``_time_p
   memory backend), skipped cleanly without CUDA or without the op. ``lowlatency@32`` is
   the low-latency layer at the same E for the ratio.
 
+Combine orders (``--combine-order slot|rank|both``). ``rank`` times the layer and the
+all-to-all with ``combine_order="rank"`` (one partial row per (token, rank) comes back;
+series ``lowlatency[rank]``, ``alltoall[rank]``); ``both`` times both orders in the same run.
+The symmetric-memory kernels do not have the rank order yet: on GPUs ``lowlatency[rank]`` is
+skipped with that reason in the record, and ``alltoall[rank]`` still runs.
+``--recv-capacity C`` adds the layer with a bounded receive buffer (``lowlatency[C=..]``,
+per order; on GPUs skipped likewise until the kernels have it).
+
 Byte floor. The bytes that must cross NVLink for each step's routing (the slowest rank;
 dispatch: one copy per (token, remote rank) of the FP8 payload + scales, plus the routing
-rows; combine: one bf16 row per remote slot; for vdev2d one bf16 row per remote slot both
-ways), divided by the peer bandwidth measured in this run (a large copy-engine copy
-GPU 0 -> GPU 1). Small messages are latency-bound, so the floor is far below the times.
+rows; combine: one bf16 row per remote slot, or per (token, remote rank) in the rank order;
+for vdev2d one bf16 row per remote slot both ways), divided by the peer bandwidth measured
+in this run (a large copy-engine copy GPU 0 -> GPU 1). Small messages are latency-bound, so
+the floor is far below the times.
 
 On the CPU (gloo) the same code runs eagerly at tiny sizes: the numbers only show that the
-pipeline works.
+pipeline works. ``--buffers`` runs nothing on ranks: it prints the layer's memory per rank,
+worst case against a bounded receive buffer, and the spill on traces
+(:mod:`moekit.ep.lowlatency.buffers`).
 """
 
 from __future__ import annotations
@@ -53,10 +64,14 @@ from moekit.bench.stats import summarize
 from moekit.bench.timing import capture_graph, queue_timed
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
 from moekit.ep.dispatcher import weighted_slot_sum
+from moekit.ep.lowlatency.buffers import DEFAULT_BETA as DEFAULT_BUFFER_BETA
+from moekit.ep.lowlatency.buffers import DEFAULT_EPS as DEFAULT_BUFFER_EPS
+from moekit.ep.lowlatency.buffers import DEFAULT_SHAPES as DEFAULT_BUFFER_SHAPES
 from moekit.shapes import get_shape
 
 METHODS = ("lowlatency", "alltoall", "vdev2d")
 SERIES = ("dispatch", "combine", "total")
+COMBINE_ORDER_CHOICES = ("slot", "rank", "both")
 GOAL_US, GOAL_TOKENS = 30.0, 128  # the layer's target: dispatch + combine <= 30 µs at 128 tokens/rank on 2xH200
 
 
@@ -86,6 +101,8 @@ class LowLatencyBenchConfig:
     bandwidth_mb: int = 256  # size of the peer copy that measures the bandwidth
     trace_dir: str | None = None  # write Perfetto traces of a profiled run here
     seed: int = 0
+    combine_order: str = "slot"  # slot, rank, or both (timed in one run)
+    recv_capacity: int | None = None  # also time the layer with this bounded receive buffer
 
     def __post_init__(self) -> None:
         for name in ("world_size", "iters", "routings", "bandwidth_mb", "peer_experts"):
@@ -105,7 +122,16 @@ class LowLatencyBenchConfig:
         unknown = set(self.methods) - set(METHODS)
         if unknown or not self.methods:
             raise ValueError(f"methods must be among {list(METHODS)}, got {list(self.methods)}")
+        if self.combine_order not in COMBINE_ORDER_CHOICES:
+            raise ValueError(f"combine_order must be one of {list(COMBINE_ORDER_CHOICES)}, got {self.combine_order!r}")
+        if self.recv_capacity is not None and (isinstance(self.recv_capacity, bool)
+                                               or not isinstance(self.recv_capacity, int) or self.recv_capacity < 1):
+            raise ValueError(f"recv_capacity must be None or an int >= 1, got {self.recv_capacity!r}")
         get_shape(self.shape)  # raises for an unknown shape
+
+    @property
+    def orders(self) -> tuple[str, ...]:
+        return ("slot", "rank") if self.combine_order == "both" else (self.combine_order,)
 
     def for_device(self, on_gpu: bool) -> "LowLatencyBenchConfig":
         """A copy with the unset points and counts taken from the device's defaults."""
@@ -217,18 +243,37 @@ def _graphed(fn, on_cuda: bool):
 
 
 def _routing_bytes(ids: torch.Tensor, rank: int, E: int, P: int, dispatch_row: int, combine_row: int,
-                   dedup: bool) -> tuple[float, float]:
-    """Mean bytes this rank sends to other ranks per step (dispatch, combine) over the bank."""
+                   dedup: bool, combine_dedup: bool = False) -> tuple[float, float]:
+    """Mean bytes this rank sends to other ranks per step (dispatch, combine) over the bank.
+
+    ``dedup``: dispatch sends one copy per (token, remote rank), else one per remote slot;
+    ``combine_dedup``: combine returns one row per (token, remote rank) (the rank order),
+    else one per remote slot. (Combine's rows go to the token's rank; by symmetry of the
+    random routing this rank's own tokens stand in for what it returns.)"""
     owner = torch.div(ids, E // P, rounding_mode="floor")  # [R, T, K]
     remote = owner != rank
-    if dedup:
-        hit = torch.zeros(*owner.shape[:2], P, dtype=torch.bool, device=ids.device).scatter_(2, owner, True)
-        hit[..., rank] = False
-        copies = hit.sum((1, 2)).double()
-    else:
-        copies = remote.sum((1, 2)).double()
+    hit = torch.zeros(*owner.shape[:2], P, dtype=torch.bool, device=ids.device).scatter_(2, owner, True)
+    hit[..., rank] = False
+    per_rank = hit.sum((1, 2)).double()
     slots = remote.sum((1, 2)).double()
-    return float((copies * dispatch_row).mean()), float((slots * combine_row).mean())
+    copies = per_rank if dedup else slots
+    returned = per_rank if combine_dedup else slots
+    return float((copies * dispatch_row).mean()), float((returned * combine_row).mean())
+
+
+def series_name(method: str, order: str, recv_capacity: int | None = None) -> str:
+    """``lowlatency``, ``lowlatency[rank]``, ``lowlatency[C=4]``, ``lowlatency[rank, C=4]``, ..."""
+    tags = ([order] if order != "slot" else []) + ([f"C={recv_capacity}"] if recv_capacity is not None else [])
+    return method + (f"[{', '.join(tags)}]" if tags else "")
+
+
+def gpu_skip_reason(order: str, recv_capacity: int | None) -> str | None:
+    """Why the layer cannot run this variant on GPUs yet (None: it can)."""
+    if order == "rank":
+        return "the symmetric-memory kernels do not have the rank combine order yet (two-GPU work)"
+    if recv_capacity is not None:
+        return "the symmetric-memory kernels do not have bounded receive buffers yet (two-GPU work)"
+    return None
 
 
 def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer_e: bool) -> dict:
@@ -237,16 +282,25 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
     on_cuda = device.type == "cuda"
     H, K, E = cfg.resolved()
     P = world_size
-    out: dict = {"samples": {}, "bytes": {}, "checks": {}}
-    layers = {}
+    out: dict = {"samples": {}, "bytes": {}, "checks": {}, "skipped": {}}
+    layers = {}  # series name: (E, combine order, receive capacity)
     if "lowlatency" in cfg.methods:
-        layers["lowlatency"] = E
+        for order in cfg.orders:
+            for capacity in (None, cfg.recv_capacity) if cfg.recv_capacity is not None else (None,):
+                name = series_name("lowlatency", order, capacity)
+                reason = gpu_skip_reason(order, capacity) if on_cuda else None
+                if reason:
+                    out["skipped"][name] = reason
+                else:
+                    layers[name] = (E, order, capacity)
         if run_peer_e:
-            layers[f"lowlatency@{cfg.peer_experts}"] = cfg.peer_experts
+            layers[f"lowlatency@{cfg.peer_experts}"] = (cfg.peer_experts, "slot", None)
     for T in cfg.tokens:
-        for name, E_m in layers.items():
+        for name, (E_m, order, capacity) in layers.items():
             _progress(rank, f"{name} T={T}: {cfg.iters} iterations after {cfg.warmup} warm-up")
-            layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E_m, online_fp8=cfg.online_fp8, dtype=torch.bfloat16)
+            layer = EPLowLatencyAllToAll(cfg.max_m, H, K, E_m, online_fp8=cfg.online_fp8, dtype=torch.bfloat16,
+                                         combine_order=order,
+                                         recv_capacity=None if capacity is None else min(capacity, cfg.max_m))
             bank = _Bank(T, H, K, E_m, cfg.routings, cfg.seed * 1000 + rank, device)
             expert_out = torch.randn(layer.experts_per_rank, layer.capacity, H, device=device).to(torch.bfloat16)
             held = {}
@@ -270,27 +324,32 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
             samples["step"] = _time_calls([_graphed(step, on_cuda)], bank, cfg.iters, cfg.warmup, on_cuda)[0]
             out["samples"].setdefault(name, {})[T] = samples
             token_bytes, row_bytes = layer.layout.token_bytes, layer.layout.combine_row_bytes
+            routing_row = K * 4 * (2 if order == "rank" else 1)  # ids, and the weights in the rank order
             out["bytes"].setdefault(name, {})[T] = _routing_bytes(bank.ids_bank, rank, E_m, P,
-                                                                  token_bytes + K * 4, row_bytes, dedup=True)
-            if name == "lowlatency":
-                out["checks"][T] = _count_check(layer, bank, E_m)
+                                                                  token_bytes + routing_row, row_bytes, dedup=True,
+                                                                  combine_dedup=order == "rank")
+            if not name.startswith("lowlatency@"):
+                out["checks"].setdefault(name, {})[T] = _count_check(layer, bank, E_m)
             layer.finalize()
             del layer, expert_out, held
         if "alltoall" in cfg.methods:
-            _progress(rank, f"alltoall T={T}: {cfg.iters} iterations after {cfg.warmup} warm-up")
-            eager = AllToAllDispatcher(E, hidden=H, top_k=K)
-            bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
-            held = {}
+            for order in cfg.orders:
+                name = series_name("alltoall", order)
+                _progress(rank, f"{name} T={T}: {cfg.iters} iterations after {cfg.warmup} warm-up")
+                eager = AllToAllDispatcher(E, hidden=H, top_k=K, combine_order=order)
+                bank = _Bank(T, H, K, E, cfg.routings, cfg.seed * 1000 + rank, device)
+                held = {}
 
-            def d(eager=eager, bank=bank, held=held):
-                held["d"] = eager.dispatch(bank.x, bank.ids, bank.w)
+                def d(eager=eager, bank=bank, held=held):
+                    held["d"] = eager.dispatch(bank.x, bank.ids, bank.w)
 
-            def c(eager=eager, held=held):
-                held["y"] = eager.combine(held["d"].tokens, held["d"])  # identity experts
+                def c(eager=eager, held=held):
+                    held["y"] = eager.combine(held["d"].tokens, held["d"])  # identity experts
 
-            out["samples"].setdefault("alltoall", {})[T] = _time_pair(d, c, bank, cfg.iters, cfg.warmup, on_cuda)
-            out["bytes"].setdefault("alltoall", {})[T] = _routing_bytes(bank.ids_bank, rank, E, P, 2 * H, 2 * H,
-                                                                        dedup=False)
+                out["samples"].setdefault(name, {})[T] = _time_pair(d, c, bank, cfg.iters, cfg.warmup, on_cuda)
+                out["bytes"].setdefault(name, {})[T] = _routing_bytes(
+                    bank.ids_bank, rank, E, P, 2 * H + (4 if order == "rank" else 0), 2 * H, dedup=False,
+                    combine_dedup=order == "rank")
     if cfg.trace_dir and "lowlatency" in cfg.methods:
         out["profile"] = _profiled_run(rank, cfg, device, H, K, E)
     out["device"] = str(device)
@@ -503,7 +562,7 @@ def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "b
                            "(GPU: iterations queued ahead in chunks); dispatch and combine timed back to back in "
                            "one iteration (two graphs), and the layer's step (both in one graph) in its own loop; "
                            "routing written outside the timed region",
-        peer_bandwidth_gbps=bandwidth)
+        peer_bandwidth_gbps=bandwidth, combine_orders=list(cfg.orders))
     record = {"params": params, "results": results}
     if out_dir is not None:
         path = write_record("lowlatency", params, results, out_dir=out_dir)
@@ -537,7 +596,11 @@ def _results(cfg, main: list[dict], peer: list[dict] | None, bandwidth: float | 
                               total_us=(d_bytes + c_bytes) / (bandwidth * 1e3))
             floor[m][str(T)] = entry
     ratios = {}
-    pairs = [("alltoall", "lowlatency"), ("vdev2d", f"lowlatency@{cfg.peer_experts}")]
+    pairs = [("alltoall", "lowlatency"), ("vdev2d", f"lowlatency@{cfg.peer_experts}"),
+             ("alltoall[rank]", "lowlatency[rank]"), ("lowlatency", "lowlatency[rank]"),
+             ("alltoall", "alltoall[rank]")]
+    if cfg.recv_capacity is not None:
+        pairs += [(series_name("lowlatency", o), series_name("lowlatency", o, cfg.recv_capacity)) for o in cfg.orders]
     for T in map(str, cfg.tokens):
         ratios[T] = {f"{a}/{b}": series[a][T]["total"]["median"] / series[b][T]["total"]["median"]
                      for a, b in pairs if a in series and b in series}
@@ -547,16 +610,24 @@ def _results(cfg, main: list[dict], peer: list[dict] | None, bandwidth: float | 
         step = series["lowlatency"][str(GOAL_TOKENS)].get("step", {}).get("median")
         goal = dict(tokens=GOAL_TOKENS, goal_us=GOAL_US, total_median_us=median, step_median_us=step,
                     met=median <= GOAL_US)
-    checks = {"lowlatency_counts": {str(T): all(r["checks"][T] for r in main) for T in main[0]["checks"]}}
+    checks = {f"{name}_counts": {str(T): all(r["checks"][name][T] for r in main) for T in by_t}
+              for name, by_t in main[0]["checks"].items()}
     if peer is not None:
         checks["vdev2d_identity_round_trip"] = {str(T): all(r["checks"][T] for r in peer) for T in peer[0]["checks"]}
     profiles = [r["profile"] for r in main if "profile" in r]
     traces = [p for prof in profiles for p in prof["traces"]]
     phases = [dict(rank=rank, tokens=prof["tokens"], graph=prof["graph"], **prof["phases"])
               for rank, prof in enumerate(profiles)]
-    return dict(series=series, byte_floor=floor, ratios=ratios, goal=goal, checks=checks,
+    goals = {}  # the same goal line for every variant of the layer that ran
+    for name, by_t in series.items():
+        if name.startswith("lowlatency") and not name.startswith("lowlatency@") and str(GOAL_TOKENS) in by_t:
+            median = by_t[str(GOAL_TOKENS)]["total"]["median"]
+            goals[name] = dict(tokens=GOAL_TOKENS, goal_us=GOAL_US, total_median_us=median,
+                               step_median_us=by_t[str(GOAL_TOKENS)].get("step", {}).get("median"),
+                               met=median <= GOAL_US)
+    return dict(series=series, byte_floor=floor, ratios=ratios, goal=goal, goals=goals, checks=checks,
                 vdev2d=dict(ran=peer is not None, skipped=vdev2d_skip, experts=cfg.peer_experts),
-                peer_bandwidth_gbps=bandwidth, traces=traces, phases=phases)
+                peer_bandwidth_gbps=bandwidth, traces=traces, phases=phases, skipped=main[0]["skipped"])
 
 
 # -------------------------------------------------------------------------- text, figure
@@ -567,7 +638,7 @@ def _rows(record: dict) -> list[dict]:
     rows = []
     for m, by_t in r["series"].items():
         for T, s in by_t.items():
-            f = r["byte_floor"].get(m.split("@")[0] if m != "vdev2d" else m, {}).get(T, {})
+            f = r["byte_floor"].get(m, {}).get(T, {})
             if m.startswith("lowlatency@"):
                 f = {}
             rows.append(dict(method=m, T=int(T), d_med=s["dispatch"]["median"], d_p95=s["dispatch"]["p95"],
@@ -593,13 +664,13 @@ def format_lowlatency_bench(record: dict) -> str:
                                              for T, rs in r["ratios"].items() if rs),
         f"peer bandwidth: {r['peer_bandwidth_gbps']:.0f} GB/s" if r["peer_bandwidth_gbps"] else
         "peer bandwidth: not measured (no 2 GPUs): no byte floor in µs",
-        "vdev2d: " + ("ran" if r["vdev2d"]["ran"] else f"skipped ({r['vdev2d']['skipped']})"),
+        "vdev2d: " + ("ran" if r["vdev2d"]["ran"] else f"skipped ({r['vdev2d']['skipped'] or 'not requested'})"),
+        *[f"{name}: skipped ({why})" for name, why in r.get("skipped", {}).items()],
         "checks: " + ", ".join(f"{k} {'ok' if all(v.values()) else 'FAILED ' + str(v)}" for k, v in r["checks"].items()),
     ]
-    if r["goal"]:
-        g = r["goal"]
+    for name, g in (r.get("goals") or ({"lowlatency": r["goal"]} if r["goal"] else {})).items():
         step = f"; as one graph {g['step_median_us']:.1f} µs" if g.get("step_median_us") is not None else ""
-        lines.append(f"goal: dispatch + combine at {g['tokens']} tokens/rank = {g['total_median_us']:.1f} µs "
+        lines.append(f"goal ({name}): dispatch + combine at {g['tokens']} tokens/rank = {g['total_median_us']:.1f} µs "
                      f"(goal <= {g['goal_us']:.0f} µs on 2xH200): {'met' if g['met'] else 'not met'}{step}")
     for ph in r.get("phases", []):
         parts = ", ".join(f"{k} {v:.1f}" for k, v in ph.items()
@@ -681,12 +752,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random routings cycled through, >= 1 (default %(default)s)")
     p.add_argument("--bandwidth-mb", type=int, default=d.bandwidth_mb,
                    help="MB of the GPU 0 -> GPU 1 copy that measures the peer bandwidth, >= 1 (default %(default)s)")
+    p.add_argument("--combine-order", default=d.combine_order, choices=COMBINE_ORDER_CHOICES,
+                   help="combine order of the layer and the all-to-all: slot, rank, or both in one run "
+                        "(default %(default)s)")
+    p.add_argument("--recv-capacity", type=int, default=None,
+                   help="also time the layer with a receive buffer of this many rows per source, >= 1 "
+                        "(tokens past it spill)")
     p.add_argument("--trace-dir", default=None, help="write Perfetto traces of a profiled run here")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the inputs and routings, >= 0 (default %(default)s)")
     p.add_argument("--out-dir", default="benchmarks/results",
                    help="where the JSON record and figure go (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record or figure")
+    b = p.add_argument_group("buffer report (--buffers: nothing is timed)")
+    b.add_argument("--buffers", action="store_true",
+                   help="print the layer's memory per rank, worst case against a bounded receive buffer, and "
+                        "the spill on traces, instead of timing")
+    b.add_argument("--buffer-shapes", nargs="+", default=list(DEFAULT_BUFFER_SHAPES), metavar="SHAPE",
+                   help="presets of the synthetic rows (default: %(default)s)")
+    b.add_argument("--eps", type=int, nargs="+", default=list(DEFAULT_BUFFER_EPS),
+                   help="expert-parallel sizes, each >= 1 (default: %(default)s)")
+    b.add_argument("--quantile", type=float, default=0.99,
+                   help="the capacity: this quantile of the per-(source, destination) token counts, in (0, 1] "
+                        "(default %(default)s)")
+    b.add_argument("--max-m", type=int, default=128,
+                   help="tokens per rank of the synthetic rows, >= 1 (default %(default)s)")
+    b.add_argument("--buffer-beta", type=float, default=DEFAULT_BUFFER_BETA,
+                   help="balancedness of the synthetic routing in (0, 1]; 1 = uniform (default %(default)s: that of "
+                        "the recorded OLMoE-architecture prefill trace)")
+    b.add_argument("--buffer-steps", type=int, default=16,
+                   help="synthetic steps per row, >= 2 (capacity from the first half; default %(default)s)")
+    b.add_argument("--trace", action="append", default=[], metavar="FILE=SHAPE",
+                   help="a routing trace (.npz) and the preset whose hidden size it takes, repeatable")
+    b.add_argument("--mixtral-steps", type=int, default=200,
+                   help="steps of the synthetic Mixtral trace (moekit trace generate) to add, 0 for none "
+                        "(default %(default)s)")
     return p
 
 
@@ -696,11 +796,59 @@ def config_from_args(args) -> LowLatencyBenchConfig:
         num_experts=args.num_experts, peer_experts=args.peer_experts,
         tokens=tuple(args.tokens) if args.tokens is not None else None,
         online_fp8=not args.bf16_wire, methods=tuple(args.methods), iters=args.iters, warmup=args.warmup,
-        routings=args.routings, bandwidth_mb=args.bandwidth_mb, trace_dir=args.trace_dir, seed=args.seed)
+        routings=args.routings, bandwidth_mb=args.bandwidth_mb, trace_dir=args.trace_dir, seed=args.seed,
+        combine_order=args.combine_order, recv_capacity=args.recv_capacity)
+
+
+def run_buffer_report(args) -> dict:
+    """The ``--buffers`` report: rows for the presets on synthetic routing and for each trace."""
+    from moekit.ep.lowlatency.buffers import format_report, shape_report, trace_report
+    from moekit.routing import RoutingTrace, mixtral_capspill_trace
+
+    for flag, values, low in (("--eps", args.eps, 1), ("--max-m", [args.max_m], 1),
+                              ("--buffer-steps", [args.buffer_steps], 2), ("--mixtral-steps", [args.mixtral_steps], 0)):
+        if any(v < low for v in values):
+            raise ValueError(f"{flag} must be >= {low}, got {values}")
+    if not 0.0 < args.quantile <= 1.0:
+        raise ValueError(f"--quantile must be in (0, 1], got {args.quantile}")
+    if not 0.0 < args.buffer_beta <= 1.0:
+        raise ValueError(f"--buffer-beta must be in (0, 1], got {args.buffer_beta}")
+    traces = []
+    for item in args.trace:
+        path, sep, shape = item.rpartition("=")
+        if not sep or not path:
+            raise ValueError(f"--trace takes FILE=SHAPE, got {item!r}")
+        get_shape(shape)
+        traces.append((RoutingTrace.load(path), f"{Path(path).name} (recorded)", shape))
+    if args.mixtral_steps:
+        traces.append((mixtral_capspill_trace(steps=args.mixtral_steps, layers=8), "Mixtral (trace generate)",
+                       "mixtral-8x7b"))
+
+    def progress(what: str) -> None:
+        print(f"[bench lowlatency --buffers] {what}", file=sys.stderr, flush=True)
+
+    rows = []
+    for shape in args.buffer_shapes:
+        rows += shape_report(shape, eps=tuple(args.eps), max_m=args.max_m, quantile=args.quantile,
+                             steps=args.buffer_steps, beta=args.buffer_beta, seed=args.seed, progress=progress)
+    for trace, label, shape in traces:
+        rows += trace_report(trace, label, shape, eps=tuple(args.eps), quantile=args.quantile, progress=progress)
+    record = {"params": dict(quantile=args.quantile, eps=list(args.eps), max_m=args.max_m, beta=args.buffer_beta,
+                             buffer_steps=args.buffer_steps, shapes=list(args.buffer_shapes),
+                             traces=[label for _, label, _ in traces], device="cpu (computed, nothing timed)"),
+              "results": {"rows": rows}, "text": format_report(rows)}
+    if not args.no_record:
+        record["path"] = str(write_record("lowlatency-buffers", record["params"], record["results"],
+                                          out_dir=args.out_dir))
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.buffers:
+        record = run_buffer_report(args)
+        print(record["text"] + (f"\nrecord: {record['path']}" if "path" in record else ""))
+        return 0
     record = run_lowlatency_bench(config_from_args(args), out_dir=None if args.no_record else args.out_dir)
     print(format_lowlatency_bench(record))
     return 0 if all(all(v.values()) for v in record["results"]["checks"].values()) else 1

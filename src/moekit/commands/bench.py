@@ -20,7 +20,8 @@ def run_dispatch(args) -> int:
     cfg = DispatchBenchConfig(shape=args.shape, tokens_per_rank=args.tokens, world_size=args.world_size,
                               dispatcher=args.dispatcher, hidden=args.hidden, top_k=args.top_k,
                               num_experts=args.num_experts, beta=args.beta, iters=args.iters,
-                              warmup=args.warmup, seed=args.seed, dtype=args.dtype)
+                              warmup=args.warmup, seed=args.seed, dtype=args.dtype,
+                              combine_order=args.combine_order)
     record = run_dispatch_bench(cfg, out_dir=None if args.no_record else args.out_dir)
     print(format_dispatch_bench(record))
     return 0
@@ -44,6 +45,12 @@ def run_lowlatency(args) -> int:
     return lowlatency_main(args.extra)
 
 
+def run_combine_order(args) -> int:
+    from moekit.bench.combine_order import main as combine_order_main
+
+    return combine_order_main(args.extra)
+
+
 def run_ramp(args) -> int:
     from moekit.bench.ramp import main as ramp_main
 
@@ -51,7 +58,7 @@ def run_ramp(args) -> int:
 
 
 # Benchmarks with a parser of their own: the top-level parser hands them the rest of argv.
-PASS_THROUGH = (run_capspill, run_kernel, run_lowlatency, run_ramp)
+PASS_THROUGH = (run_capspill, run_combine_order, run_kernel, run_lowlatency, run_ramp)
 
 
 def register(sub) -> None:
@@ -78,12 +85,18 @@ def register(sub) -> None:
     bd.add_argument("--seed", type=int, default=0, help="seed of the inputs and routing, >= 0 (default 0)")
     bd.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
+    bd.add_argument("--combine-order", default="slot", choices=["slot", "rank", "both"],
+                    help="the dispatcher's combine order: slot, rank (one row per (token, rank) comes back), or "
+                         "both, timed in one run (default %(default)s)")
     bd.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes (default %(default)s)")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=run_dispatch)
     bc = b.add_parser("capspill", add_help=False,
                       help="MaxCounts vs Eager vs Cap-and-Spill on the Mixtral trace (options: --help)")
     bc.set_defaults(func=run_capspill)
+    bo = b.add_parser("combine-order", add_help=False,
+                      help="the slot and rank combine orders against a float64 combine (CPU; options: --help)")
+    bo.set_defaults(func=run_combine_order)
     bk = b.add_parser("kernel", add_help=False,
                       help="time every fused-MoE kernel config over M and routing skew (options: --help)")
     bk.set_defaults(func=run_kernel)

@@ -127,9 +127,12 @@ class StepCheck:
         self.owner, self.peers, self.num_experts = owner, peers, num_experts
         self.hidden, self.top_k, self.max_tokens, self.dtype, self.device = hidden, top_k, max_tokens, dtype, device
 
-    def inspect(self, x: Any, topk_ids: Any, topk_weights: Any) -> LocalStatus:
-        """This rank's status for the step. Never raises for bad input, never reads the device."""
-        problem = self._problem(x, topk_ids, topk_weights)
+    def inspect(self, x: Any, topk_ids: Any, topk_weights: Any, *, problem: str | None = None) -> LocalStatus:
+        """This rank's status for the step. Never raises for bad input, never reads the device.
+
+        ``problem``: a bad input the caller found itself (its own argument rules), reported
+        like the checks' own."""
+        problem = problem if problem is not None else self._problem(x, topk_ids, topk_weights)
         if problem is not None:
             return LocalStatus(False, _to_device(_numeric(1, 0, -1, -1) + _text_words(problem), self.peers.device))
         T, H = x.shape

@@ -19,7 +19,10 @@ contract allows, which does not forbid a token from naming the same expert in tw
 Calibration reads the per-peer counts of a :class:`~moekit.routing.RoutingTrace` on P
 ranks (tokens rank-major, experts contiguous: :func:`moekit.routing.peer_counts`) and picks
 C as a quantile of them, as the Cap-and-Spill paper does (C = Q99); MaxCounts takes their
-maximum.
+maximum. ``count="tokens"`` counts tokens instead of pairs, one per (token, destination
+rank) (:func:`moekit.routing.peer_token_counts`): the rows of the low-latency layer's
+bounded receive buffer (``EPLowLatencyAllToAll(recv_capacity=C)``), which sends a token
+once to each rank holding one of its experts.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moekit.ep.checks import check_int
-from moekit.routing.stats import peer_counts
+from moekit.routing.stats import peer_counts, peer_token_counts
+
+COUNTS = ("pairs", "tokens")  # what a per-peer count counts
 from moekit.routing.trace import RoutingTrace
 
 
@@ -74,6 +79,10 @@ class CapacityCalibration:
     * ``overflow_slice_fraction``: of per-peer counts c[i, j] > C;
     * ``overflow_token_fraction``: of routed pairs that do not fit in the first pass,
       ``sum(max(c - C, 0)) / sum(c)`` — the share of the traffic the spill pass carries.
+
+    ``count``: ``"pairs"`` ((token, slot) pairs per peer, the fixed-buffer dispatchers') or
+    ``"tokens"`` (tokens per destination rank, the low-latency layer's); with tokens the
+    fractions above are of token copies instead of pairs.
     """
 
     capacity: int
@@ -87,6 +96,7 @@ class CapacityCalibration:
     overflow_send_fraction: float
     overflow_slice_fraction: float
     overflow_token_fraction: float
+    count: str = "pairs"
 
     @property
     def spill_capacity(self) -> int:
@@ -97,29 +107,36 @@ class CapacityCalibration:
         return asdict(self) | {"spill_capacity": self.spill_capacity}
 
 
-def trace_peer_counts(trace: RoutingTrace, world_size: int) -> np.ndarray:
-    """Per-peer counts ``[steps, layers, P, P]`` of ``trace`` on ``world_size`` ranks."""
+def trace_peer_counts(trace: RoutingTrace, world_size: int, count: str = "pairs") -> np.ndarray:
+    """Per-peer counts ``[steps, layers, P, P]`` of ``trace`` on ``world_size`` ranks, of
+    (token, slot) pairs or (``count="tokens"``) of tokens per destination rank."""
     if not isinstance(trace, RoutingTrace):
         raise ValueError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
-    return np.asarray(peer_counts(trace.topk_ids, trace.num_experts, check_int("world_size", world_size, 1)))
+    if count not in COUNTS:
+        raise ValueError(f"count must be one of {list(COUNTS)}, got {count!r}")
+    counter = peer_counts if count == "pairs" else peer_token_counts
+    return np.asarray(counter(trace.topk_ids, trace.num_experts, check_int("world_size", world_size, 1)))
 
 
-def calibrate_capacity(trace: RoutingTrace, quantile: float, world_size: int) -> CapacityCalibration:
+def calibrate_capacity(trace: RoutingTrace, quantile: float, world_size: int, *,
+                       count: str = "pairs") -> CapacityCalibration:
     """C = ceil(Q_quantile) of the trace's per-peer counts on ``world_size`` ranks, with its overflow.
 
     ``quantile`` is in [0, 1]; 1.0 gives the maximum, i.e. MaxCounts' C_max (never
-    overflows on this trace). Raises ValueError for an empty trace, a quantile outside
-    [0, 1], or a world size that does not divide the experts or the trace's token rows.
+    overflows on this trace). ``count``: ``"pairs"`` (the fixed-buffer dispatchers) or
+    ``"tokens"`` (the low-latency layer's ``recv_capacity``). Raises ValueError for an empty
+    trace, a quantile outside [0, 1], an unknown ``count``, or a world size that does not
+    divide the experts or the trace's token rows.
     """
     if isinstance(quantile, bool) or not isinstance(quantile, (int, float, np.floating)) \
             or not 0.0 <= float(quantile) <= 1.0:
         raise ValueError(f"quantile must be a number in [0, 1], got {quantile!r}")
-    counts = trace_peer_counts(trace, world_size)
+    counts = trace_peer_counts(trace, world_size, count)
     if counts.size == 0:
         raise ValueError(f"trace has no (step, layer) observations: {trace!r}")
     flat = counts.reshape(-1)
     capacity = int(math.ceil(float(np.quantile(flat, float(quantile)))))
-    return _calibration(counts, capacity, float(quantile), world_size, trace)
+    return _calibration(counts, capacity, float(quantile), world_size, trace, count)
 
 
 def max_counts_capacity(trace: RoutingTrace, world_size: int) -> CapacityCalibration:
@@ -143,7 +160,7 @@ def overflow_fractions(counts: np.ndarray, capacity: int) -> dict[str, float]:
 
 
 def _calibration(counts: np.ndarray, capacity: int, quantile: float, world_size: int,
-                 trace: RoutingTrace) -> CapacityCalibration:
+                 trace: RoutingTrace, count: str = "pairs") -> CapacityCalibration:
     flat = counts.reshape(-1)
     return CapacityCalibration(
         capacity=capacity,
@@ -155,4 +172,5 @@ def _calibration(counts: np.ndarray, capacity: int, quantile: float, world_size:
         mean_count=float(flat.mean()),
         num_observations=int(flat.size),
         **overflow_fractions(counts, capacity),
+        count=count,
     )

@@ -19,7 +19,9 @@ construction, exchanged with ``all_to_all_single`` on equal splits:
 Wire format. Every row of a dispatch message is raw bytes: a 16-byte header (int32 local
 expert or -1 for an empty row, token, slot, and the sender's status word: its largest
 per-peer count in bits 0-29, bit 30 set when it had expert ids outside [-1, E)) followed
-by the token's hidden vector. Carrying the routing in the row keeps each pass to one
+by the token's hidden vector. With ``combine_order="rank"`` the header is 32 bytes and its
+fifth int32 holds the pair's routing weight (float32 bits): the rank that runs the experts
+needs it to sum a token's slots. Carrying the routing in the row keeps each pass to one
 collective, lets the receiver place rows without a separate count exchange, and tells
 every rank every sender's largest count and flag, so inside a CUDA graph all ranks reach
 the same overflow decision and see the same bad-id flags without another collective.
@@ -38,7 +40,12 @@ Result layout. ``Dispatched.tokens`` is ``[E_local, cap, H]`` with the fixed
 ``cap = P * min(pair capacity, T_max * K)`` (:func:`moekit.ep.capacity.expert_capacity`);
 within an expert, rows are in the canonical (source rank, token, slot) order, so valid
 rows, counts and the handle are bitwise equal to the eager dispatcher's. Combine sends the
-expert outputs back along the same passes and ends with ``weighted_slot_sum``.
+expert outputs back along the same passes and ends with ``weighted_slot_sum``; with
+``combine_order="rank"`` each returned row holds the partial sum of its (token, rank)
+instead (:mod:`moekit.ep.rank_order`), and the source adds the partials in rank order. The
+buffers have a fixed size, so the rank order sends the same bytes here: what it changes
+is where the slots are summed (the eager dispatcher and the low-latency layer do ship
+fewer rows).
 
 All steps are vectorized torch with fixed shapes (no loop over tokens or peers, no
 ``.item()``/``.tolist()``), so ``dispatch`` + ``combine`` can be captured in one CUDA graph
@@ -60,12 +67,14 @@ import torch.distributed as dist
 from moekit.ep.agreement import MAX_COUNT, StepCheck, agree_on_config, raise_for_flagged_ranks
 from moekit.ep.capacity import expert_capacity, pair_bound, spill_capacity
 from moekit.ep.checks import check_bool, check_int, check_optional_int, is_int
-from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing, weighted_slot_sum
+from moekit.ep.dispatcher import Dispatched, DispatchHandle, check_combine_order, validate_routing, weighted_slot_sum
 from moekit.ep.layout import ExpertPlacement, PlacedExperts
 from moekit.ep.peers import PeerGroup
+from moekit.ep.rank_order import compact_width, partial_rows, rank_columns, rank_hits, sum_partials
 
 HEADER_BYTES = 16  # four int32 per row: local expert (-1 = empty), token, slot, sender's status word
-_EXPERT, _TOKEN, _SLOT, _STATUS = range(4)
+RANK_ORDER_HEADER_BYTES = 32  # ... then the routing weight (float32 bits), padded so payloads stay aligned
+_EXPERT, _TOKEN, _SLOT, _STATUS, _WEIGHT = range(5)
 _INVALID_BIT = 30  # in the status word, above the largest per-peer count (< 2**30, checked when built)
 _COUNT_MASK = (1 << _INVALID_BIT) - 1
 
@@ -135,7 +144,8 @@ class _FixedBufferDispatcher(PlacedExperts):
 
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  group: dist.ProcessGroup | None = None, hidden: int | None = None,
-                 dtype: torch.dtype | None = None, timeout: float | None = None, **options):
+                 dtype: torch.dtype | None = None, timeout: float | None = None, combine_order: str = "slot",
+                 **options):
         kind = type(self).__name__
         self.peers = PeerGroup(group, owner=kind)
         self.group, self.rank, self.world_size = group, self.peers.rank, self.peers.world_size
@@ -154,6 +164,8 @@ class _FixedBufferDispatcher(PlacedExperts):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
             self.dtype = dtype
+            self.combine_order = check_combine_order(combine_order)
+            self.header_bytes = RANK_ORDER_HEADER_BYTES if self.combine_order == "rank" else HEADER_BYTES
             self.spill_rows = spill_capacity(self.max_tokens, self.top_k, self.capacity) if self._spills else 0
             self._set_options(**options)
             # Every row a pair can reach, over both passes, fits here (see capacity.py).
@@ -162,7 +174,8 @@ class _FixedBufferDispatcher(PlacedExperts):
 
         agree_on_config(self.peers, kind, dict(
             num_experts=num_experts, capacity=capacity, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
-            dtype=dtype, world_size=self.world_size, placement="contiguous", **options), build)
+            dtype=dtype, world_size=self.world_size, placement="contiguous", combine_order=combine_order, **options),
+            build)
         self.step = StepCheck(kind, self.peers, self.num_experts, hidden=self.hidden, top_k=self.top_k,
                               max_tokens=self.max_tokens, dtype=self.dtype)
 
@@ -207,7 +220,7 @@ class _FixedBufferDispatcher(PlacedExperts):
         )
 
     def pack(self, x: torch.Tensor, plan: FixedPlan, first: int = 0, rows: int | None = None) -> torch.Tensor:
-        """Send buffer ``[P, rows, 16 + H * itemsize]`` (bytes) for stream positions [first, first + rows).
+        """Send buffer ``[P, rows, header + H * itemsize]`` (bytes) for stream positions [first, first + rows).
 
         Row p of peer j holds the pair at position ``first + p`` of the stream to j, or an
         empty row (expert -1) past the end of it. A gather: each buffer row looks up its
@@ -222,11 +235,14 @@ class _FixedBufferDispatcher(PlacedExperts):
         token = torch.div(pair, K, rounding_mode="floor")
         fields = [plan.sorted_local[in_order], token, pair % K]
         status = plan.max_count.to(torch.int64) | (plan.invalid.to(torch.int64) << _INVALID_BIT)
-        header = torch.stack([torch.where(filled, f, -1) for f in fields]
-                             + [status.expand(P, rows)], dim=-1).to(torch.int32)
+        words = [torch.where(filled, f, -1) for f in fields] + [status.expand(P, rows)]
+        if self.header_bytes == RANK_ORDER_HEADER_BYTES:  # the pair's weight, as float32 bits
+            weight = plan.weights.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)[pair]
+            words += [weight] + [torch.zeros_like(weight)] * 3
+        header = torch.stack(words, dim=-1).to(torch.int32)
         payload = _row_bytes(x).index_select(0, token.reshape(-1))
-        row = torch.cat([header.view(torch.uint8).reshape(P * rows, HEADER_BYTES), payload], 1)
-        return row.view(P, rows, HEADER_BYTES + payload.shape[1])
+        row = torch.cat([header.view(torch.uint8).reshape(P * rows, self.header_bytes), payload], 1)
+        return row.view(P, rows, self.header_bytes + payload.shape[1])
 
     def compact(self, x: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
         """The spill buffer ``[P, S, ...]``: every pair past the first C of its peer pair."""
@@ -251,7 +267,7 @@ class _FixedBufferDispatcher(PlacedExperts):
         """
         P, E_local, cap = self.world_size, self.experts_per_rank, self.expert_capacity
         H, dtype, device = x.shape[1], x.dtype, x.device
-        header = torch.cat([r[..., :HEADER_BYTES].contiguous().view(torch.int32) for r in received], 1).long()
+        header = torch.cat([r[..., :self.header_bytes].contiguous().view(torch.int32) for r in received], 1).long()
         rows = header.shape[1]  # C, or C + S with the spill pass
         expert = header[..., _EXPERT]
         valid = expert >= 0
@@ -272,7 +288,7 @@ class _FixedBufferDispatcher(PlacedExperts):
         first = 0
         for r in received:  # one or two passes: a static loop
             n = r.shape[1]
-            payload = r[..., HEADER_BYTES:].view(dtype).reshape(P * n, H)
+            payload = r[..., self.header_bytes:].view(dtype).reshape(P * n, H)
             tokens.index_copy_(0, dest[:, first:first + n].reshape(-1), payload)
             first += n
         handle = torch.full((3, spare + 1), -1, dtype=torch.int64, device=device)
@@ -284,6 +300,12 @@ class _FixedBufferDispatcher(PlacedExperts):
         src_rank, src_token, src_slot = handle[:, :spare].reshape(3, E_local, cap)
         state = dict(plan=plan, dest=dest, pass_rows=[r.shape[1] for r in received], largest_count=largest,
                      overflow=largest > rows, invalid_ids=invalid_by_rank.any(), invalid_by_rank=invalid_by_rank)
+        if self.combine_order == "rank":  # what the expert side needs to sum each token's slots
+            weight = torch.zeros(spare + 1, dtype=torch.float32, device=device)
+            bits = header[..., _WEIGHT].to(torch.int32)
+            weight.index_copy_(0, dest.reshape(-1), bits.view(torch.float32).reshape(-1))
+            state.update(row_weight=weight[:spare], row_token=header[..., _TOKEN], src_rank=handle[0, :spare],
+                         src_token=handle[1, :spare], src_slot=handle[2, :spare])
         return Dispatched(tokens[:spare].view(E_local, cap, H), per_source.sum(0),
                           DispatchHandle(src_rank, src_token, src_slot, state))
 
@@ -384,27 +406,77 @@ class _FixedBufferDispatcher(PlacedExperts):
         plan: FixedPlan = state["plan"]
         P, H = self.world_size, expert_out.shape[2]
         flat = expert_out.reshape(E_local * cap, H)
+        by_rank = self.combine_order == "rank"
+        if by_rank:  # one partial row per (source, token); every row of the token returns it
+            partials = self._partials(expert_out, state)
+            token_of_row = state["row_token"].clamp(min=0)
+            source = torch.arange(P, device=flat.device).unsqueeze(1)
         slot_out = expert_out.new_zeros(plan.ids.numel(), H)
+        taken = torch.zeros(plan.ids.numel(), dtype=torch.bool, device=flat.device)
         first = 0
         for rows in state["pass_rows"]:
             if rows:
-                # Empty rows point at the spare row past the end: send any real row
-                # instead, its owner never reads it.
-                dest = state["dest"][:, first:first + rows].clamp(max=E_local * cap - 1)
-                returned = self.exchange(flat.index_select(0, dest.reshape(-1)).view(P, rows, H))
-                slot_out = self._take_returned(slot_out, returned, plan, first)
+                if by_rank:
+                    index = source * self.max_tokens + token_of_row[:, first:first + rows]
+                    back = partials.index_select(0, index.reshape(-1))
+                else:
+                    # Empty rows point at the spare row past the end: send any real row
+                    # instead, its owner never reads it.
+                    dest = state["dest"][:, first:first + rows].clamp(max=E_local * cap - 1)
+                    back = flat.index_select(0, dest.reshape(-1))
+                returned = self.exchange(back.view(P, rows, H))
+                slot_out, taken = self._take_returned(slot_out, taken, returned, plan, first)
             first += rows
         T, K = plan.ids.shape
-        y = weighted_slot_sum(slot_out.view(T, K, H), plan.ids, plan.weights, expert_out.dtype)
+        if by_rank:
+            y = self._sum_returned_partials(slot_out, taken, plan, expert_out.dtype)
+        else:
+            y = weighted_slot_sum(slot_out.view(T, K, H), plan.ids, plan.weights, expert_out.dtype)
         return y[:plan.num_tokens]
 
+    def _partials(self, expert_out: torch.Tensor, state: dict) -> torch.Tensor:
+        """``[P * T_max, H]``: row ``s * T_max + t`` is the rank-order partial of source s's
+        token t over the slots this rank received (zero rows for tokens with none here)."""
+        P, K, T_max = self.world_size, self.top_k, self.max_tokens
+        E_local, cap, H = expert_out.shape
+        handle = torch.stack([state["src_rank"], state["src_token"], state["src_slot"]]).reshape(3, -1)
+        valid = handle[0] >= 0
+        cells = P * T_max * K
+        cell = torch.where(valid, (handle[0] * T_max + handle[1]) * K + handle[2], cells)  # padding: a spare cell
+        rows = expert_out.new_zeros(cells + 1, H).index_copy_(0, cell, expert_out.reshape(E_local * cap, H))
+        weights = torch.zeros(cells + 1, dtype=torch.float32, device=expert_out.device)
+        weights.index_copy_(0, cell, state["row_weight"])
+        present = torch.zeros(cells + 1, dtype=torch.bool, device=expert_out.device).index_fill_(0, cell, True)
+        return partial_rows(rows[:cells].view(P * T_max, K, H), weights[:cells].view(P * T_max, K),
+                            present[:cells].view(P * T_max, K), expert_out.dtype)
+
+    def _sum_returned_partials(self, slot_out: torch.Tensor, taken: torch.Tensor, plan: FixedPlan,
+                               out_dtype: torch.dtype) -> torch.Tensor:
+        """The source's half of the rank order: each returned slot row holds its (token, rank)
+        partial; place one per (token, rank) in rank order and add them."""
+        P = self.world_size
+        T, K = plan.ids.shape
+        H = slot_out.shape[1]
+        owner = plan.pair_rank.view(T, K)  # P for masked slots
+        hit = rank_hits(owner, P)
+        R = compact_width(K, P)
+        column = rank_columns(hit).gather(1, owner.clamp(max=P - 1))  # [T, K]
+        token = torch.arange(T, device=owner.device).unsqueeze(1)
+        # Every taken slot of a (token, rank) carries the same partial, so the writes agree.
+        target = torch.where(taken.view(T, K), token * R + column, T * R).reshape(-1)
+        placed = slot_out.new_zeros(T * R + 1, H).index_copy_(0, target, slot_out)
+        present = torch.arange(R, device=owner.device).unsqueeze(0) < hit.sum(1, keepdim=True)
+        return sum_partials(placed[:T * R].view(T, R, H), present, out_dtype)
+
     @staticmethod
-    def _take_returned(slot_out: torch.Tensor, returned: torch.Tensor, plan: FixedPlan, first: int) -> torch.Tensor:
+    def _take_returned(slot_out: torch.Tensor, taken: torch.Tensor, returned: torch.Tensor, plan: FixedPlan,
+                       first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Put each pair's returned row (if this pass carried it) in its (token, slot) place."""
         P, rows, H = returned.shape
         in_pass = (plan.pair_rank < P) & (plan.pair_pos >= first) & (plan.pair_pos < first + rows)
         index = plan.pair_rank.clamp(max=P - 1) * rows + (plan.pair_pos - first).clamp(0, rows - 1)
-        return torch.where(in_pass.unsqueeze(1), returned.reshape(P * rows, H).index_select(0, index), slot_out)
+        slot_out = torch.where(in_pass.unsqueeze(1), returned.reshape(P * rows, H).index_select(0, index), slot_out)
+        return slot_out, taken | in_pass
 
 
 class MaxCountsDispatcher(_FixedBufferDispatcher):
@@ -427,9 +499,10 @@ class MaxCountsDispatcher(_FixedBufferDispatcher):
 
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  group: dist.ProcessGroup | None = None, hidden: int | None = None,
-                 raise_on_overflow: bool = True, dtype: torch.dtype | None = None, timeout: float | None = None):
+                 raise_on_overflow: bool = True, dtype: torch.dtype | None = None, timeout: float | None = None,
+                 combine_order: str = "slot"):
         super().__init__(num_experts, capacity, max_tokens, top_k=top_k, group=group, hidden=hidden, dtype=dtype,
-                         timeout=timeout, raise_on_overflow=raise_on_overflow)
+                         timeout=timeout, combine_order=combine_order, raise_on_overflow=raise_on_overflow)
 
     def _set_options(self, raise_on_overflow) -> None:
         self.raise_on_overflow = check_bool("raise_on_overflow", raise_on_overflow)
@@ -468,9 +541,9 @@ class CapAndSpillDispatcher(_FixedBufferDispatcher):
 
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  conditional: bool = False, group: dist.ProcessGroup | None = None, hidden: int | None = None,
-                 dtype: torch.dtype | None = None, timeout: float | None = None):
+                 dtype: torch.dtype | None = None, timeout: float | None = None, combine_order: str = "slot"):
         super().__init__(num_experts, capacity, max_tokens, top_k=top_k, group=group, hidden=hidden, dtype=dtype,
-                         timeout=timeout, conditional=conditional)
+                         timeout=timeout, combine_order=combine_order, conditional=conditional)
 
     def _set_options(self, conditional) -> None:
         self.conditional = check_bool("conditional", conditional)

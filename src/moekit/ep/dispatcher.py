@@ -1,5 +1,6 @@
-"""The Dispatcher protocol, the Dispatched record, and the two pieces every dispatcher shares:
-input validation and the slot-ordered weighted combine.
+"""The Dispatcher protocol, the Dispatched record, and what every dispatcher shares: input
+validation and the two combine orders (``combine_order="slot"``, the default, and
+``combine_order="rank"``), each defined by one function here.
 
 Layout of a dispatch result (docs/architecture.md): received rows in expert-major layout
 ``[E_local, capacity, H]``; ``counts[e]`` rows of expert ``e`` are valid. Within an expert the
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+COMBINE_ORDERS = ("slot", "rank")  # the ``combine_order`` every dispatcher takes
 
 
 @dataclass
@@ -135,6 +138,53 @@ def weighted_slot_sum(
         term = slot_out[:, k].to(torch.float32) * weights[:, k : k + 1]
         acc = torch.where((topk_ids[:, k] >= 0).unsqueeze(1), acc + term, acc)
     return acc.to(out_dtype)
+
+
+def check_combine_order(value: Any) -> str:
+    """``value`` if it is one of :data:`COMBINE_ORDERS`, else a ValueError naming them."""
+    if not isinstance(value, str) or value not in COMBINE_ORDERS:
+        raise ValueError(f"combine_order must be one of {list(COMBINE_ORDERS)} ('slot': every slot's row travels "
+                         f"back and the token's rank sums the K slots; 'rank': each rank sends one partial sum "
+                         f"per token), got {value!r}")
+    return value
+
+
+def weighted_rank_sum(slot_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      out_dtype: torch.dtype, *, num_experts: int, world_size: int) -> torch.Tensor:
+    """The ``combine_order="rank"`` contract: what every dispatcher's combine in that order returns.
+
+    Experts are placed contiguously (expert e on rank ``e // (num_experts / world_size)``).
+    For each rank r that holds experts of token t, the partial row of (t, r) is the slot-order
+    sum of DESIGN.md restricted to the slots on r: ``acc = 0`` (float32), then for
+    k = 0..K-1 with ``topk_ids[t, k]`` on r, ``acc = acc + float32(w[t, k]) * float32(out[t, k])``,
+    rounded once to ``out_dtype``. That partial is what travels back to the token's rank,
+    which adds the partials of its ranks in float32 in rank order r = 0..P-1, starting from
+    0, and rounds once. Masked slots (id -1) and ranks holding no slot of t are skipped,
+    whatever the rows hold. With every slot of a token on one rank this is bitwise the
+    slot order (the extra rounding to ``out_dtype`` and back is exact); otherwise it rounds
+    once more per rank.
+
+    Written plainly, one loop over ranks and one over slots, and sharing no code with the
+    dispatchers (:mod:`moekit.ep.rank_order` is theirs): it is the definition they are
+    tested against.
+    """
+    if world_size < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of world_size={world_size}")
+    T, K, H = slot_out.shape
+    experts_per_rank = num_experts // world_size
+    ids = topk_ids.to(torch.int64)
+    owner = torch.where(ids >= 0, torch.div(ids, experts_per_rank, rounding_mode="floor"), -1)
+    weights = topk_weights.to(torch.float32)
+    y = torch.zeros(T, H, dtype=torch.float32, device=slot_out.device)
+    for r in range(world_size):
+        on_r = owner == r  # [T, K]
+        partial = torch.zeros(T, H, dtype=torch.float32, device=slot_out.device)
+        for k in range(K):
+            term = slot_out[:, k].to(torch.float32) * weights[:, k : k + 1]
+            partial = torch.where(on_r[:, k : k + 1], partial + term, partial)
+        rounded = partial.to(out_dtype).to(torch.float32)
+        y = torch.where(on_r.any(1, keepdim=True), y + rounded, y)
+    return y.to(out_dtype)
 
 
 def _describe(t: Any) -> str:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moekit.ep.alltoall import AllToAllDispatcher
-from moekit.ep.dispatcher import Dispatcher
+from moekit.ep.dispatcher import Dispatcher, check_combine_order
 from moekit.moe.experts import MoEWeights, SwiGLUExperts, expert_mlp
 from moekit.moe.fused_experts import FusedExperts
 from moekit.moe.router import TopKRouter
@@ -33,14 +33,28 @@ class MoELayer(nn.Module):
     routing-aware choice (:class:`FusedExperts` says how each behaves in CUDA graphs). FP8
     tokens from a quantizing dispatcher reach the experts with their scales: the W8A8 kernel
     takes them as they are, the others dequantize them.
+
+    ``combine_order``: how the routed outputs are summed (docs/architecture.md, "Exactness"): ``"slot"``
+    or ``"rank"`` (each rank sums a token's slots it holds, one row per (token, rank) travels
+    back). None: the dispatcher's order, or ``"slot"`` for the default dispatcher, which is
+    built with the order given. A dispatcher of another order is an error.
     """
 
     def __init__(self, shape: MoEShape, weights: MoEWeights, *, dispatcher: Dispatcher | None = None,
                  rank: int | None = None, world_size: int | None = None, renormalize: bool = True,
-                 experts: str = "torch", kernel_config=None):
+                 experts: str = "torch", kernel_config=None, combine_order: str | None = None):
         super().__init__()
-        self.dispatcher = dispatcher or AllToAllDispatcher(shape.num_experts, hidden=shape.hidden,
-                                                           top_k=shape.top_k)
+        if combine_order is not None:
+            check_combine_order(combine_order)
+        if dispatcher is None:
+            dispatcher = AllToAllDispatcher(shape.num_experts, hidden=shape.hidden, top_k=shape.top_k,
+                                            combine_order=combine_order or "slot")
+        given = getattr(dispatcher, "combine_order", "slot")
+        if combine_order is not None and given != combine_order:
+            raise ValueError(f"combine_order={combine_order!r} but the dispatcher combines in the {given!r} order; "
+                             f"build the dispatcher with combine_order={combine_order!r}")
+        self.combine_order = given
+        self.dispatcher = dispatcher
         # Which experts this rank owns follows from the dispatcher's group; explicit values
         # must agree with it (a mismatch would run the wrong experts on the received rows).
         rank = _agree("rank", rank, getattr(self.dispatcher, "rank", None))

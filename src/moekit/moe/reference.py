@@ -53,3 +53,28 @@ def reference_slot_sum(slot_out: torch.Tensor, topk_ids: torch.Tensor, topk_weig
                 acc = acc + slot_out[t, k].float().cpu() * topk_weights[t, k].float().cpu()
         y[t] = acc.to(out_dtype)
     return y
+
+
+def reference_rank_sum(slot_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       out_dtype: torch.dtype, num_experts: int, world_size: int) -> torch.Tensor:
+    """``combine_order="rank"`` spelled out token by token, rank by rank, slot by slot (for tests; slow).
+
+    For each rank r = 0..P-1 holding slots of the token (expert e on rank e // (E / P)):
+    part = 0 (float32); for k = 0..K-1 with id on r: part = part + float32(w_k) * float32(out_k);
+    then y_acc = y_acc + float32(part rounded to ``out_dtype``); one cast of y_acc at the end.
+    """
+    T, K, H = slot_out.shape
+    per_rank = num_experts // world_size
+    y = torch.empty(T, H, dtype=out_dtype)
+    for t in range(T):
+        acc = torch.zeros(H, dtype=torch.float32)
+        for r in range(world_size):
+            slots = [k for k in range(K) if int(topk_ids[t, k]) >= 0 and int(topk_ids[t, k]) // per_rank == r]
+            if not slots:
+                continue
+            part = torch.zeros(H, dtype=torch.float32)
+            for k in slots:
+                part = part + slot_out[t, k].float().cpu() * topk_weights[t, k].float().cpu()
+            acc = acc + part.to(out_dtype).float()
+        y[t] = acc.to(out_dtype)
+    return y

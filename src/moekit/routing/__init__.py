@@ -5,7 +5,7 @@
   Cap-and-Spill paper's Mixtral-8x7B measurements;
 * :class:`RoutingTrace` — ``topk_ids[steps, layers, tokens, K]`` with a safe ``.npz`` format;
 * :class:`RoutingRecorder` — records a real model's routers into a trace;
-* :func:`expert_counts`, :func:`peer_counts`, :func:`balancedness`, :func:`active_experts`,
+* :func:`expert_counts`, :func:`peer_counts`, :func:`peer_token_counts`, :func:`balancedness`, :func:`active_experts`,
   :func:`trace_stats`, :func:`format_stats` — loads, per-peer counts, skew and overflow.
 """
 
@@ -19,6 +19,7 @@ from .stats import (
     expert_counts,
     format_stats,
     peer_counts,
+    peer_token_counts,
     trace_stats,
 )
 from .trace import FORMAT_VERSION, RoutingTrace
@@ -35,6 +36,7 @@ __all__ = [
     "format_stats",
     "mixtral_capspill_trace",
     "peer_counts",
+    "peer_token_counts",
     "synthetic_routing",
     "trace_stats",
 ]

@@ -72,6 +72,38 @@ def peer_counts(topk_ids: Any, num_experts: int, world_size: int) -> Any:
     return _like_input(counts.reshape(*batch, P, P), topk_ids)
 
 
+def peer_token_counts(topk_ids: Any, num_experts: int, world_size: int) -> Any:
+    """Per-peer *token* counts: ``[..., T, K] -> [..., P, P]`` int64.
+
+    ``c[..., i, j]`` is the number of tokens of source rank i (rank-major rows) with at
+    least one slot on rank j (contiguous experts): what a layer that sends each token once
+    per destination rank (the low-latency layer) moves from i to j. At most
+    :func:`peer_counts`, which counts every (token, slot) pair; masked ``-1`` slots count
+    nothing.
+    """
+    _check_positive_int("world_size", world_size)
+    ids = _checked_ids(topk_ids, num_experts)
+    P = world_size
+    if num_experts % P != 0:
+        raise ValueError(f"world_size must divide num_experts={num_experts}, got world_size={P}")
+    batch, (T, K) = ids.shape[:-2], ids.shape[-2:]
+    if T % P != 0:
+        raise ValueError(
+            f"topk_ids token dim T={T} must be a multiple of world_size={P} "
+            "(tokens are split rank-major into equal blocks)"
+        )
+    rows = ids.reshape(math.prod(batch), T, K)
+    out = np.zeros((rows.shape[0], P, P), dtype=np.int64)
+    step = max(1, _CHUNK_SLOTS // max(T * (P + 1), 1))  # bounds the [chunk, T, P + 1] hit table
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start:start + step].astype(np.int64)
+        owner = np.where(chunk >= 0, chunk // (num_experts // P), P)
+        hit = np.zeros((*chunk.shape[:2], P + 1), dtype=bool)
+        np.put_along_axis(hit, owner, True, axis=2)
+        out[start:start + step] = hit[:, :, :P].reshape(chunk.shape[0], P, T // P, P).sum(axis=2)
+    return _like_input(out.reshape(*batch, P, P), topk_ids)
+
+
 def _rows(ids: np.ndarray) -> np.ndarray:
     """``[..., T, K] -> [batch, T*K]`` (explicit sizes, so T = 0 works too)."""
     return ids.reshape(math.prod(ids.shape[:-2]), ids.shape[-2] * ids.shape[-1])

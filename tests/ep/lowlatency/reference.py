@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.ep.dispatcher import weighted_slot_sum
+from moekit.ep.dispatcher import weighted_rank_sum, weighted_slot_sum
 from moekit.fp8 import dequantize_groups, quantize_groups
 from tests.ep.cases import skewed_ids, uniform_ids
 
@@ -89,9 +89,10 @@ def fake_expert(values: torch.Tensor, expert: torch.Tensor, position: torch.Tens
 
 
 def expected_combine(xs, ids, ws, num_experts: int, rank: int, *, fp8: bool, group: int, dtype: torch.dtype,
-                     use_content: bool = True) -> torch.Tensor:
+                     use_content: bool = True, combine_order: str = "slot") -> torch.Tensor:
     """``[T, H]`` that combine must return on ``rank`` after every rank ran ``fake_expert`` on
-    its rows: the reference slot outputs summed by ``weighted_slot_sum``."""
+    its rows: the reference slot outputs summed by ``weighted_slot_sum`` (or, in the rank
+    order, by ``weighted_rank_sum``)."""
     P = len(xs)
     per_rank = num_experts // P
     positions = {}
@@ -111,6 +112,8 @@ def expected_combine(xs, ids, ws, num_experts: int, rank: int, *, fp8: bool, gro
             v = received_value(xs[rank][t:t + 1], fp8, group)
             one = lambda value: torch.tensor([value])  # noqa: E731
             slot_out[t, k] = fake_expert(v, one(g), one(r), one(rank), one(t), dtype, use_content)[0]
+    if combine_order == "rank":
+        return weighted_rank_sum(slot_out, ids[rank], ws[rank], dtype, num_experts=num_experts, world_size=P)
     return weighted_slot_sum(slot_out, ids[rank], ws[rank], dtype)
 
 

@@ -27,6 +27,15 @@ Inside a CUDA-graph capture the ids cannot be read on the host: out-of-range ids
 treated as masked and ``state["invalid_ids"]`` (this rank's flag, on the device) says so;
 :meth:`EPLowLatencyAllToAll.check_replay` is the host check after a replay.
 
+Two options change what crosses the wire (:mod:`moekit.ep.lowlatency.layout`):
+``combine_order="rank"`` sends one partial row per (token, rank) back instead of one row per
+slot, and ``recv_capacity`` bounds the receive buffer to that many rows per source, the
+rest travelling in spill rounds. The gloo transport and the host-side layout implement
+both. The symmetric-memory kernels do not yet: their rank order and bounded receive
+buffers wait for the two-GPU work on those kernels (they can only be written and tested
+on two GPUs), so asking for either on a CUDA device raises a ValueError when the layer is
+built, on every rank.
+
 The transport moves the bytes: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` on CPU
 tensors, ``SymmMemTransport`` (``moekit.ep.lowlatency.cuda``, Triton over torch symmetric
 memory) on CUDA tensors with an NCCL group.
@@ -110,7 +119,12 @@ class EPLowLatencyAllToAll:
     device and transport (default: the current device; symmetric memory on CUDA, gloo on CPU).
     ``timeout``: seconds the gloo transport's exchanges wait for the peers before raising
     :class:`~moekit.ep.PeerError` (None: the process group's timeout, which the GPU
-    transport always uses).
+    transport always uses). ``combine_order``: ``"slot"`` (default) or ``"rank"``;
+    ``recv_capacity`` / ``spill_rows``: the bounded receive buffer (None: ``max_m`` rows per
+    source, nothing spills); both need the gloo transport for now (module docstring). In
+    the rank order the expert ranks weight the outputs, so ``dispatch`` needs
+    ``topk_weights`` and a ``combine(expert_out, topk_ids, topk_weights, meta)`` must pass
+    the same weights.
 
     Results live in buffers the layer reuses: the tokens, scales, counts and meta of a
     dispatch are valid until the next dispatch, and combine's output until the next
@@ -122,7 +136,8 @@ class EPLowLatencyAllToAll:
                  world_size: int | None = None, local_world_size: int | None = None, fp8_group_size: int = 128,
                  dtype: torch.dtype = torch.bfloat16, online_fp8: bool = True, profile: bool = False, *,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 transport: Transport | None = None, timeout: float | None = None):
+                 transport: Transport | None = None, timeout: float | None = None, combine_order: str = "slot",
+                 recv_capacity: int | None = None, spill_rows: int | None = None):
         self.peers = PeerGroup(group, owner="EPLowLatencyAllToAll")
         self.group = group
 
@@ -138,16 +153,22 @@ class EPLowLatencyAllToAll:
             self.layout = LowLatencyLayout(
                 max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, rank=my_rank, world_size=world,
                 local_world_size=world if local_world_size is None else local_world_size,
-                group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8)
+                group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8, combine_order=combine_order,
+                recv_capacity=recv_capacity, spill_rows=spill_rows)
             self.device = _resolve_device(device, group, self.peers.distributed)
+            if self.device.type == "cuda" and transport is None:
+                _check_gpu_transport_options(self.layout)
 
         agree_on_config(self.peers, "EPLowLatencyAllToAll", dict(
             max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, world_size=world_size,
             local_world_size=local_world_size, fp8_group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8,
             device_type=_device_type(device, group, self.peers.distributed), placement="contiguous",
-            transport="default" if transport is None else type(transport).__name__), build)
+            transport="default" if transport is None else type(transport).__name__, combine_order=combine_order,
+            recv_capacity=recv_capacity, spill_rows=spill_rows), build)
         self.transport = transport if transport is not None else make_transport(self.layout, group, self.device,
                                                                                 timeout=self.peers.timeout)
+        if transport is not None:  # a transport given by the caller: this rank checks it alone
+            _check_transport_options(self.layout, transport)
         L = self.layout
         self.step = StepCheck("EPLowLatencyAllToAll", self.peers, L.num_experts, hidden=L.hidden, top_k=L.topk,
                               max_tokens=L.max_m, dtype=L.dtype, device=self.device)
@@ -180,6 +201,10 @@ class EPLowLatencyAllToAll:
     def capacity(self) -> int:
         return self.layout.capacity
 
+    @property
+    def combine_order(self) -> str:
+        return self.layout.combine_order
+
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -201,16 +226,24 @@ class EPLowLatencyAllToAll:
             weights = torch.empty((), dtype=torch.float32, device=getattr(x, "device", None)).expand(T, K)
         capturing = isinstance(x, torch.Tensor) and _capturing(x)
         invalid = None
+        by_rank = L.combine_order == "rank"
         if getattr(self.transport, "exchanges_status", False) and not capturing:
             # Every rank's input is checked together, in the dispatch exchange itself.
-            status = self.step.inspect(x, topk_ids, weights)
+            problem = None
+            if by_rank and topk_weights is None:
+                problem = ("topk_weights: combine_order='rank' weights the expert outputs on the expert ranks, so "
+                           "dispatch needs the routing weights; pass dispatch(x, topk_ids, topk_weights)")
+            status = self.step.inspect(x, topk_ids, weights, problem=problem)
             if status.ok:
                 x, ids = x.contiguous(), topk_ids.to(torch.int32).contiguous()
+                w = topk_weights.contiguous() if by_rank else None
             else:  # an empty, well-formed step that carries the error to the peers
                 x = torch.empty(0, L.hidden, dtype=L.dtype, device=self.device)
                 ids = torch.empty(0, L.topk, dtype=torch.int32, device=self.device)
+                w = torch.empty(0, L.topk, dtype=torch.float32, device=self.device) if by_rank else None
             stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
-            recv = self.transport.dispatch(x, ids, stamps, status=status.words)
+            extra = dict(weights=w) if by_rank else {}
+            recv = self.transport.dispatch(x, ids, stamps, status=status.words, **extra)
             self.step.settle_gathered(recv.status)
             return self._finish_dispatch(recv, ids, topk_weights, T, invalid, stamps)
         validate_routing(x, topk_ids, weights, L.num_experts, hidden=L.hidden, top_k=L.topk, max_tokens=L.max_m,
@@ -240,6 +273,8 @@ class EPLowLatencyAllToAll:
         self._stamp(stamps, POSTPROCESS, END)
         meta.num_dispatched = T
         state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid)
+        if self.layout.bounded:  # counted on the device: tokens that came in spill rounds, and the rounds
+            state.update(overflow_tokens=recv.overflow.sum(), spill_rounds=recv.spill_rounds)
         return LowLatencyDispatched(tokens=tokens, counts=meta.counts, handle=LowLatencyHandle(meta, state),
                                     scales=scales, meta=meta)
 
@@ -294,6 +329,8 @@ class EPLowLatencyAllToAll:
                                  "dispatch_meta)")
             meta, ids, weights = _meta_of(dispatch_meta), topk_ids, topk_weights
         self._check_combine_args(expert_out, ids, weights, meta)
+        if L.combine_order == "rank" and not from_dispatch and not _capturing(expert_out):
+            self._check_rank_order_weights(weights, meta)
         # Mask what dispatch masked, without reading ids on the host (ids that come from the
         # dispatch are masked already).
         if _capturing(expert_out) and not from_dispatch:
@@ -403,6 +440,15 @@ class EPLowLatencyAllToAll:
         if t.device != self.device:
             raise ValueError(f"{name} is on {t.device}, but this layer's buffers are on {self.device}")
 
+    def _check_rank_order_weights(self, weights: torch.Tensor, meta: LowLatencyMeta) -> None:
+        """In the rank order the expert ranks weighted the outputs with the weights sent at
+        dispatch; combine's ``topk_weights`` must be those (one host read, eager only)."""
+        sent = meta.recv.weights[self.rank, :meta.num_dispatched] if meta.recv is not None else None
+        if sent is None or not torch.equal(weights.to(torch.float32), sent):
+            raise ValueError("topk_weights: combine_order='rank' sums the weighted outputs on the expert ranks with "
+                             "the weights given to dispatch; combine got different weights (pass the same ones, or "
+                             "use combine(expert_out, dispatched))")
+
     def _check_combine_args(self, expert_out, ids, weights, meta: LowLatencyMeta) -> None:
         L = self.layout
         want = (L.experts_per_rank, L.capacity, L.hidden)
@@ -459,6 +505,29 @@ def _device_type(device, group, distributed: bool) -> str:
         return _resolve_device(device, group, distributed).type
     except (ValueError, RuntimeError, AssertionError):
         return repr(device)
+
+
+def _check_gpu_transport_options(layout: LowLatencyLayout) -> None:
+    """The options the symmetric-memory kernels do not implement yet (they wait for the
+    two-GPU work on those kernels)."""
+    if layout.combine_order != "slot":
+        raise ValueError("combine_order='rank' is not implemented by the symmetric-memory (GPU) transport yet: its "
+                         "kernels send one row per slot, and their rank order needs two GPUs to be written and "
+                         "tested; use combine_order='slot' on CUDA devices, or CPU tensors (the gloo transport)")
+    if layout.recv_capacity is not None:
+        raise ValueError("recv_capacity: bounded receive buffers are not implemented by the symmetric-memory (GPU) "
+                         "transport yet (its kernels need two GPUs to be written and tested); leave recv_capacity "
+                         "None on CUDA devices, or use CPU tensors (the gloo transport)")
+
+
+def _check_transport_options(layout: LowLatencyLayout, transport) -> None:
+    orders = getattr(transport, "combine_orders", ("slot",))
+    if layout.combine_order not in orders:
+        raise ValueError(f"combine_order={layout.combine_order!r}: the transport {type(transport).__name__} offers "
+                         f"{list(orders)}")
+    if layout.bounded and not getattr(transport, "bounded_receive", False):
+        raise ValueError(f"recv_capacity={layout.recv_capacity}: the transport {type(transport).__name__} has no "
+                         "bounded receive buffers")
 
 
 def make_transport(layout: LowLatencyLayout, group, device: torch.device, *,

@@ -2,20 +2,28 @@
 transport, so the semantics are tested in CI.
 
 gloo has no symmetric memory and no list-form all-to-all, so each step is one
-``all_to_all_single`` of fixed-size per-destination messages (equal splits):
+``all_to_all_single`` of fixed-size per-destination messages (equal splits), whose segments
+are the layout's receive regions (:meth:`LowLatencyLayout.receive_region_bytes`):
 
-* dispatch: message to rank d = ``[T, step status | ids (max_m x K) int32 | x rows |
-  scales]`` as raw bytes. The step status (:mod:`moekit.ep.agreement`) rides in the same
-  collective, so a rank with bad input still sends a well-formed message (T = 0) that
-  tells every peer, and all ranks raise together after this one exchange. Row t of x holds token t (FP8 via :func:`moekit.fp8.quantize_groups` when
-  ``online_fp8``) only if one of its experts lives on d; every other row is *poisoned* (NaN
-  bytes), and ids rows past T hold one of d's own experts, so a receiver that reads a row
-  it was not sent gets NaN or a wrong count, and the tests see it. Sending a fixed
-  ``max_m`` rows per destination costs bytes the GPU path does not spend; on the CPU that
-  only costs time, never results.
-* combine: message to rank s = ``[max_m, K, H]`` slot rows: the expert output serving each
-  slot of s's tokens that names one of this rank's experts, NaN elsewhere. Rank s takes
-  slot (t, k) from the owner of expert ``topk_ids[t, k]``.
+* dispatch: message to rank d = ``[T, step status | ids (max_m x K) int32 | weights
+  (max_m x K) float32, rank order only | x rows | scales]`` as raw bytes. The step status
+  (:mod:`moekit.ep.agreement`) rides in the same collective, so a rank with bad input still
+  sends a well-formed message (T = 0) that tells every peer, and all ranks raise together
+  after this one exchange. With the worst-case layout row t of x holds token t (FP8 via
+  :func:`moekit.fp8.quantize_groups` when ``online_fp8``) only if one of its experts lives on
+  d; with a bounded layout (``recv_capacity`` C) row j holds the j-th token that goes to d,
+  j < C, and the rest follow in spill rounds of ``[spill_rows]`` rows per destination, each
+  fanned out into the expert-major result before the next one. Every row that carries no
+  token is *poisoned* (NaN bytes), and ids rows past T hold one of d's own experts, so a
+  receiver that reads a row it was not sent gets NaN or a wrong count, and the tests see it.
+  Sending a fixed number of rows per destination costs bytes the GPU path does not spend;
+  on the CPU that only costs time, never results.
+* combine, ``combine_order="slot"``: message to rank s = ``[max_m, K, H]`` slot rows: the
+  expert output serving each slot of s's tokens that names one of this rank's experts, NaN
+  elsewhere. Rank s takes slot (t, k) from the owner of expert ``topk_ids[t, k]``.
+  ``combine_order="rank"``: message to rank s = ``[max_m, H]``, the partial sum of each of
+  s's tokens over its slots here (K times fewer bytes), NaN where it has none; rank s adds
+  the partials of the ranks its token names, in rank order.
 
 Buffers are allocated once per phase (two phases, alternating like the GPU double buffer),
 so a :class:`RecvBuffers` stays valid until the same phase is used again, two calls later.
@@ -28,7 +36,10 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.agreement import STATUS_WORDS
-from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, bits_view, destinations
+from moekit.ep.lowlatency import layout as _layout
+from moekit.ep.lowlatency.layout import (LowLatencyLayout, LowLatencyMeta, RecvBuffers, bits_view, destinations,
+                                         fan_out_window, rank_partials, received_streams, spill_rounds, stream_counts,
+                                         window_tokens)
 from moekit.ep.lowlatency.transport import (COPY_AND_PUT, COUNT_PUT, END, QUANT_AND_PUT, RECV_WAIT, START, WAIT,
                                             TransportDefaults, host_stamp)
 from moekit.ep.peers import PeerGroup
@@ -51,14 +62,36 @@ def _poison_bits(dtype: torch.dtype, device) -> torch.Tensor:
     return bits_view(torch.tensor([float("nan")], dtype=dtype, device=device))[0]
 
 
+class _Rows:
+    """Segments of a ``[P, bytes]`` message that carry token rows: x and (FP8) scales."""
+
+    def __init__(self, layout: LowLatencyLayout, rows: int, offset: int):
+        self.layout, self.rows, self.offset = layout, rows, offset
+        self.x_bytes = _aligned(rows * layout.hidden * layout.wire_dtype.itemsize)
+        self.scale_bytes = _aligned(rows * layout.num_groups * 4) if layout.online_fp8 else 0
+        self.nbytes = self.x_bytes + self.scale_bytes
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        L, P, a = self.layout, self.layout.world_size, self.offset
+        x = buf[:, a:a + self.rows * L.hidden * L.wire_dtype.itemsize].view(L.wire_dtype).view(P, self.rows, L.hidden)
+        scales = None
+        if L.online_fp8:
+            b = a + self.x_bytes
+            scales = buf[:, b:b + self.rows * L.num_groups * 4].view(torch.float32).view(P, self.rows, L.num_groups)
+        return x, scales
+
+
 class GlooTransport(TransportDefaults):
     """Transport over a gloo process group (or a plain copy when there is one rank and no group).
 
     ``timeout``: seconds an exchange waits for the peers before raising
-    :class:`~moekit.ep.PeerError` (None: the process group's timeout).
+    :class:`~moekit.ep.PeerError` (None: the process group's timeout). Supports both
+    combine orders and the bounded layout (``layout.recv_capacity``).
     """
 
     exchanges_status = True  # dispatch(..., status=) carries every rank's step status
+    combine_orders = ("slot", "rank")
+    bounded_receive = True  # layout.recv_capacity < max_m: spill rounds
 
     def __init__(self, layout: LowLatencyLayout, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", *, timeout: float | None = None):
@@ -69,37 +102,42 @@ class GlooTransport(TransportDefaults):
             raise ValueError(f"layout says rank {layout.rank} of {layout.world_size}, but the process group "
                              f"is rank {rank} of {world}")
         L = layout
-        # Message segments, in bytes: count (int32) and step status (int64 words), ids, x, scales.
+        # Message segments, in bytes: count (int32) and step status (int64 words), ids,
+        # weights (rank order), then the token rows.
         self._count_bytes = _ALIGN + STATUS_WORDS * 8
         self._ids_bytes = _aligned(L.max_m * L.topk * 4)
-        self._x_bytes = _aligned(L.max_m * L.hidden * L.wire_dtype.itemsize)
-        self._scale_bytes = _aligned(L.max_m * L.num_groups * 4) if L.online_fp8 else 0
-        self.message_bytes = self._count_bytes + self._ids_bytes + self._x_bytes + self._scale_bytes
+        self._weight_bytes = _aligned(L.max_m * L.topk * 4) if L.combine_order == "rank" else 0
+        self._main = _Rows(L, L.recv_rows, self._count_bytes + self._ids_bytes + self._weight_bytes)
+        self._spill = _Rows(L, L.spill_rows_per_round, 0)
+        self.message_bytes = self._main.offset + self._main.nbytes
         P, dev = L.world_size, self.device
         self._send = [torch.zeros(P, self.message_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         self._recv = [torch.zeros(P, self.message_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-        self._combine_send = [torch.empty(P, L.max_m, L.topk, L.hidden, dtype=L.dtype, device=dev) for _ in range(2)]
+        self._spill_send = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        self._spill_recv = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        per_token = (L.topk,) if L.combine_order == "slot" else ()
+        self._combine_send = [torch.empty(P, L.max_m, *per_token, L.hidden, dtype=L.dtype, device=dev)
+                              for _ in range(2)]
         self._combine_recv = [torch.empty_like(b) for b in self._combine_send]
+        self._built: tuple[RecvBuffers, LowLatencyMeta, torch.Tensor, torch.Tensor | None] | None = None
         self._dispatch_calls = 0
         self._combine_calls = 0
         self._closed = False
 
     # -- message segments (typed views of a [P, message_bytes] byte buffer) ------------------
 
-    def _segments(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor | None]:
+    def _segments(self, buf: torch.Tensor):
         L, P = self.layout, self.layout.world_size
         a = self._count_bytes
         b = a + self._ids_bytes
-        c = b + self._x_bytes
         count = buf[:, :4].view(torch.int32).view(P)
         status = buf[:, _ALIGN:a].view(torch.int64).view(P, STATUS_WORDS)
         ids = buf[:, a:a + L.max_m * L.topk * 4].view(torch.int32).view(P, L.max_m, L.topk)
-        x = buf[:, b:b + L.max_m * L.hidden * L.wire_dtype.itemsize].view(L.wire_dtype).view(P, L.max_m, L.hidden)
-        scales = None
-        if L.online_fp8:
-            scales = buf[:, c:c + L.max_m * L.num_groups * 4].view(torch.float32).view(P, L.max_m, L.num_groups)
-        return count, status, ids, x, scales
+        weights = None
+        if self._weight_bytes:
+            weights = buf[:, b:b + L.max_m * L.topk * 4].view(torch.float32).view(P, L.max_m, L.topk)
+        x, scales = self._main.views(buf)
+        return count, status, ids, weights, x, scales
 
     def _exchange(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
         self.peers.all_to_all(out, inp, what=what)
@@ -111,35 +149,43 @@ class GlooTransport(TransportDefaults):
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None,
-                 status: torch.Tensor | None = None) -> RecvBuffers:
+                 status: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> RecvBuffers:
         """The Transport's dispatch; ``status`` (``[STATUS_WORDS]`` int64, optional) is this
-        rank's step status, delivered to every rank as ``RecvBuffers.status``."""
+        rank's step status, delivered to every rank as ``RecvBuffers.status``; ``weights``
+        (``[T, K]``, the rank order only) travel beside the ids."""
         self._check_open()
         L = self.layout
         phase = self._dispatch_calls % 2
         self._dispatch_calls += 1
         T, P, M = x.shape[0], L.world_size, L.max_m
         send, recv = self._send[phase], self._recv[phase]
-        count, status_out, ids, xs, scales = self._segments(send)
+        count, status_out, ids, weights_out, xs, scales = self._segments(send)
 
         host_stamp(stamps, QUANT_AND_PUT, START)
         if L.online_fp8:
             payload, payload_scales = quantize_groups(x, L.group_size)
         else:
             payload, payload_scales = x, None
-        needed = destinations(topk_ids, L).t()  # [P, T]: token t goes to rank d
-        poison = _poison_bits(L.wire_dtype, x.device)
-        xs_bits = bits_view(xs)
-        xs_bits.fill_(poison)
-        xs_bits[:, :T] = torch.where(needed.unsqueeze(2), bits_view(payload).unsqueeze(0), poison)
-        if scales is not None:
-            scales.fill_(float("nan"))
-            scales[:, :T] = torch.where(needed.unsqueeze(2), payload_scales.unsqueeze(0), scales[:, :T])
+        needed = destinations(topk_ids, L)  # [T, P]: token t goes to rank d
+        if L.bounded:
+            self._put_window(xs, scales, payload, payload_scales, window_tokens(needed, 0, L.recv_rows))
+        else:
+            poison = _poison_bits(L.wire_dtype, x.device)
+            xs_bits = bits_view(xs)
+            xs_bits.fill_(poison)
+            xs_bits[:, :T] = torch.where(needed.t().unsqueeze(2), bits_view(payload).unsqueeze(0), poison)
+            if scales is not None:
+                scales.fill_(float("nan"))
+                scales[:, :T] = torch.where(needed.t().unsqueeze(2), payload_scales.unsqueeze(0), scales[:, :T])
         # Rows past T name the destination's first expert: a receiver that forgets to stop at
         # T would take them for real tokens.
         ids.copy_((torch.arange(P, dtype=torch.int32, device=x.device) * L.experts_per_rank).view(P, 1, 1)
                   .expand(P, M, L.topk))
         ids[:, :T] = topk_ids.to(torch.int32).unsqueeze(0)
+        if weights_out is not None:
+            weights_out.fill_(float("nan"))
+            if weights is not None:
+                weights_out[:, :T] = weights.to(torch.float32).unsqueeze(0)
         host_stamp(stamps, QUANT_AND_PUT, END)
 
         host_stamp(stamps, COUNT_PUT, START)
@@ -152,10 +198,75 @@ class GlooTransport(TransportDefaults):
         host_stamp(stamps, COUNT_PUT, END)
 
         host_stamp(stamps, WAIT, START)  # gloo returned: everything has arrived
-        r_count, r_status, r_ids, r_x, r_scales = self._segments(recv)
+        r_count, r_status, r_ids, r_weights, r_x, r_scales = self._segments(recv)
+        received = RecvBuffers(x=r_x, scales=r_scales, ids=r_ids, num_tokens=r_count,
+                               status=None if status is None else r_status, weights=r_weights)
         host_stamp(stamps, WAIT, END)
-        return RecvBuffers(x=r_x, scales=r_scales, ids=r_ids, num_tokens=r_count,
-                           status=None if status is None else r_status)
+        self._built = None
+        if L.bounded:
+            self._receive_bounded(received, needed, payload, payload_scales, phase)
+        return received
+
+    def _put_window(self, xs: torch.Tensor, scales: torch.Tensor | None, payload: torch.Tensor,
+                    payload_scales: torch.Tensor | None, table: torch.Tensor) -> None:
+        """Row i of destination d's segment = token ``table[d, i]``, poison where it is -1."""
+        L = self.layout
+        poison = _poison_bits(L.wire_dtype, xs.device)
+        filled = (table >= 0).unsqueeze(2)
+        token = table.clamp(min=0)
+        source = bits_view(payload)
+        if source.shape[0] == 0:  # T = 0: nothing to read, every row is poison
+            bits_view(xs).fill_(poison)
+            if scales is not None:
+                scales.fill_(float("nan"))
+            return
+        bits_view(xs).copy_(torch.where(filled, source[token], poison))
+        if scales is not None:
+            scales.copy_(torch.where(filled, payload_scales[token], torch.full_like(scales, float("nan"))))
+
+    def _receive_bounded(self, recv: RecvBuffers, needed: torch.Tensor, payload: torch.Tensor,
+                         payload_scales: torch.Tensor | None, phase: int) -> None:
+        """Fan out the first C rows of every source, then run the spill rounds (each fanned
+        out before the next one reuses the spill buffers). The number of rounds follows from
+        the routing rows every rank received, so every rank runs the same rounds."""
+        L = self.layout
+        meta = _layout.postprocess(recv, L)
+        streams = received_streams(recv, L)  # [max_m, world]: what each source sent here
+        spare = L.experts_per_rank * L.capacity
+        tokens = bits_view(recv.x).new_empty(spare + 1, L.hidden)
+        scales = recv.scales.new_empty(spare + 1, L.num_groups) if L.online_fp8 else None
+
+        def fan_out(x: torch.Tensor, x_scales: torch.Tensor | None, table: torch.Tensor) -> None:
+            fan_out_window(tokens, bits_view(x), table, meta, L)
+            if scales is not None:
+                fan_out_window(scales, x_scales, table, meta, L)
+
+        fan_out(recv.x, recv.scales, window_tokens(streams, 0, L.recv_rows))
+        counts = stream_counts(recv, L)  # [source, destination] tokens, the same on every rank
+        recv.overflow = (counts[:, L.rank] - L.recv_rows).clamp(min=0)
+        recv.spill_rounds = rounds = int(spill_rounds(counts, L))  # gloo runs on the host anyway
+        S = L.spill_rows_per_round
+        send, into = self._spill_send[phase], self._spill_recv[phase]
+        for r in range(rounds):
+            first = L.recv_rows + r * S
+            xs, x_scales = self._spill.views(send)
+            self._put_window(xs, x_scales, payload, payload_scales, window_tokens(needed, first, S))
+            self._exchange(into, send, f"spill round {r + 1} of {rounds}")
+            got, got_scales = self._spill.views(into)
+            fan_out(got, got_scales, window_tokens(streams, first, S))
+        shape = (L.experts_per_rank, L.capacity)
+        self._built = (recv, meta, tokens[:spare].view(*shape, L.hidden).view(L.wire_dtype),
+                       scales[:spare].view(*shape, L.num_groups) if scales is not None else None)
+
+    def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta:
+        if self._built is not None and self._built[0] is recv:  # built while the spill rounds ran
+            return self._built[1]
+        return super().postprocess(recv)
+
+    def fan_out(self, recv: RecvBuffers, meta: LowLatencyMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._built is not None and self._built[0] is recv:
+            return self._built[2], self._built[3]
+        return super().fan_out(recv, meta)
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -166,16 +277,26 @@ class GlooTransport(TransportDefaults):
         self._combine_calls += 1
         send, recv = self._combine_send[phase], self._combine_recv[phase]
         P, M, K, H = L.world_size, L.max_m, L.topk, L.hidden
+        poison = _poison_bits(L.dtype, send.device)
 
         host_stamp(stamps, COPY_AND_PUT, START)
-        flat = bits_view(expert_out).reshape(-1, H)
-        rows = flat.index_select(0, meta.slot_row.clamp(min=0).view(-1)).view(P, M, K, H)
-        serves = (meta.slot_row >= 0).unsqueeze(3)
-        bits_view(send).copy_(torch.where(serves, rows, _poison_bits(L.dtype, send.device)))
+        if L.combine_order == "rank":
+            # One partial row per source token with slots here: K times fewer bytes.
+            serves = (meta.slot_row >= 0).any(2, keepdim=True)  # [P, M, 1]
+            bits_view(send).copy_(torch.where(serves, bits_view(rank_partials(expert_out, meta, L)), poison))
+        else:
+            flat = bits_view(expert_out).reshape(-1, H)
+            rows = flat.index_select(0, meta.slot_row.clamp(min=0).view(-1)).view(P, M, K, H)
+            serves = (meta.slot_row >= 0).unsqueeze(3)
+            bits_view(send).copy_(torch.where(serves, rows, poison))
         self._exchange(recv, send, "combine exchange")
         host_stamp(stamps, COPY_AND_PUT, END)
 
         host_stamp(stamps, RECV_WAIT, START)
+        if L.combine_order == "rank":
+            rows = recv.transpose(0, 1)  # [M, P, H]: token t's partial from every rank
+            host_stamp(stamps, RECV_WAIT, END)
+            return rows
         # Slot (t, k) of this rank's token came from the owner of expert ids[t, k].
         own_ids = meta.recv.ids[L.rank].to(torch.int64)  # our own routing, as we sent it
         owner = torch.div(own_ids.clamp(0, L.num_experts - 1), L.experts_per_rank, rounding_mode="floor")
@@ -189,4 +310,6 @@ class GlooTransport(TransportDefaults):
 
     def close(self) -> None:
         self._send = self._recv = self._combine_send = self._combine_recv = []
+        self._spill_send = self._spill_recv = []
+        self._built = None
         self._closed = True

@@ -68,7 +68,9 @@ class Transport(Protocol):
         return when every source's data of this step has arrived. Alternates phases internally.
 
         ``x [T, H]`` ``layout.dtype`` contiguous, ``topk_ids [T, K]`` int32 contiguous, T <= max_m,
-        ids in [-1, E) (the layer validates before calling).
+        ids in [-1, E) (the layer validates before calling). A transport that supports
+        ``combine_order="rank"`` also takes ``weights=`` (``[T, K]`` float) and delivers them in
+        ``RecvBuffers.weights``.
         """
         ...
 
@@ -76,7 +78,9 @@ class Transport(Protocol):
         """For each valid received row (e, r) write ``expert_out[e, r]`` to rank ``src_rank``'s
         slot rows ``[src_token, k]`` for every k in ``slot_bits``; return this rank's slot rows
         ``[max_m, K, H]`` (``layout.dtype``) once all have arrived. Slots that no rank served
-        (masked, or t >= T) hold unspecified values.
+        (masked, or t >= T) hold unspecified values. With ``layout.combine_order == "rank"``
+        it sends each source token's partial (:func:`~moekit.ep.lowlatency.layout.rank_partials`)
+        instead and returns ``[max_m, world, H]``, row (t, d) from rank d.
 
         ``expert_out [E_local, capacity, H]`` ``layout.dtype``.
         """
@@ -109,6 +113,10 @@ class TransportDefaults:
 
     def topk_reduce(self, slot_rows: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
+        """The K-slot sum (``combine_order="slot"``), or, in the rank order, the sum of the
+        ranks' partials (``slot_rows`` are then ``[max_m, world, H]``: row (t, d) from rank d)."""
+        if self.layout.combine_order == "rank":
+            return _layout.rank_reduce(slot_rows, topk_ids, self.layout, out_dtype)
         return _layout.topk_reduce(slot_rows, topk_ids, topk_weights, out_dtype)
 
 
