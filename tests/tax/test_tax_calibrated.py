@@ -188,3 +188,17 @@ def test_using_the_calibrated_model_loads_no_measurement_or_kernel_module():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": f"{root / 'src'}:{root}", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.shipped_calibrations
+def test_every_shipped_calibration_loads_and_serves_its_gpu():
+    from moekit.tax.report import SHIPPED_CALIBRATIONS, shipped_calibrations
+
+    files = sorted(SHIPPED_CALIBRATIONS.glob("*.json"))
+    cals = shipped_calibrations()
+    assert len(cals) == len(files)
+    for cal in cals:  # each was measured on a GPU and names it
+        assert "NVIDIA" in cal.name
+    if any("H100" in c.name for c in cals):
+        text = tax_report("olmoe-1b-7b", "H100", batch_sizes=(1,))
+        assert "calibrated model: NVIDIA H100" in text and "no calibration for this GPU" not in text

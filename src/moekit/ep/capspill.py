@@ -412,7 +412,8 @@ class _FixedBufferDispatcher(PlacedExperts):
             token_of_row = state["row_token"].clamp(min=0)
             source = torch.arange(P, device=flat.device).unsqueeze(1)
         slot_out = expert_out.new_zeros(plan.ids.numel(), H)
-        taken = torch.zeros(plan.ids.numel(), dtype=torch.bool, device=flat.device)
+        # Which slots a pass returned: only the rank order needs it (to place one partial per rank).
+        taken = torch.zeros(plan.ids.numel(), dtype=torch.bool, device=flat.device) if by_rank else None
         first = 0
         for rows in state["pass_rows"]:
             if rows:
@@ -469,14 +470,14 @@ class _FixedBufferDispatcher(PlacedExperts):
         return sum_partials(placed[:T * R].view(T, R, H), present, out_dtype)
 
     @staticmethod
-    def _take_returned(slot_out: torch.Tensor, taken: torch.Tensor, returned: torch.Tensor, plan: FixedPlan,
-                       first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take_returned(slot_out: torch.Tensor, taken: torch.Tensor | None, returned: torch.Tensor, plan: FixedPlan,
+                       first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Put each pair's returned row (if this pass carried it) in its (token, slot) place."""
         P, rows, H = returned.shape
         in_pass = (plan.pair_rank < P) & (plan.pair_pos >= first) & (plan.pair_pos < first + rows)
         index = plan.pair_rank.clamp(max=P - 1) * rows + (plan.pair_pos - first).clamp(0, rows - 1)
         slot_out = torch.where(in_pass.unsqueeze(1), returned.reshape(P * rows, H).index_select(0, index), slot_out)
-        return slot_out, taken | in_pass
+        return slot_out, None if taken is None else taken | in_pass
 
 
 class MaxCountsDispatcher(_FixedBufferDispatcher):
