@@ -171,3 +171,20 @@ def _verify_dense(x, w13, w2) -> float:
     gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2:]
     ref = (gate * torch.sigmoid(gate) * up) @ w2.to(torch.float64).t()
     return _rel_err(y, ref)
+
+
+def run_device(asked: str | None) -> tuple[torch.device, bool]:
+    """(device, on a GPU) of a tax run: ``asked`` (cpu, cuda or cuda:N), else CUDA when there is
+    one; a bare "cuda" becomes the current device, so records name the card."""
+    if asked is not None:
+        device = torch.device(asked)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={asked!r} was asked for but CUDA is not available")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device}")
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, on_gpu

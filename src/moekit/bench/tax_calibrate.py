@@ -45,7 +45,7 @@ import torch
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.report import environment, record_filename, to_jsonable
 from moekit.bench.stats import summarize
-from moekit.bench.tax_blocks import elem_bytes, make_moe_weights, route, skew_bias
+from moekit.bench.tax_blocks import elem_bytes, make_moe_weights, route, run_device, skew_bias
 from moekit.shapes import MoEShape
 from moekit.tax.efficiency import (Calibration, LaunchSample, fit_launch, fit_router, fit_stream, gemm_features,
                                    grouped_features, save_calibration)
@@ -126,17 +126,7 @@ class _Plan:
 
 
 def _resolve(cfg: CalibrateConfig) -> _Plan:
-    if cfg.device is not None:
-        device = torch.device(cfg.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={cfg.device!r} was asked for but CUDA is not available")
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be cuda or cpu, got {device}")
-    on_gpu = device.type == "cuda"
-    if on_gpu and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device, on_gpu = run_device(cfg.device)
     configs = cfg.configs if cfg.configs is not None else (4 if on_gpu else 0)
     for name, value, low in (("configs", configs, 0), ("input_sets", cfg.input_sets, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

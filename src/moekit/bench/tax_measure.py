@@ -41,7 +41,8 @@ from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.report import environment, to_jsonable, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.tax_blocks import (_verify_dense, _verify_moe, block_memory, check_memory, dense_intermediates,
-                                     elem_bytes, make_dense_weights, make_moe_weights, moe_block, route, skew_bias)
+                                     elem_bytes, make_dense_weights, make_moe_weights, moe_block, route, run_device,
+                                     skew_bias)
 from moekit.bench.tax_report import ERROR_TARGET, explain_calibrated, explain_point, measure_figure
 from moekit.bench.timing import capture_graph, queue_timed
 from moekit.bench.triton_kernels import load_kernels
@@ -156,17 +157,7 @@ def tiny_shape(shape: MoEShape) -> MoEShape:
 
 
 def _resolve(cfg: MeasureConfig) -> _Plan:
-    if cfg.device is not None:
-        device = torch.device(cfg.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={cfg.device!r} was asked for but CUDA is not available")
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be cuda or cpu, got {device}")
-    on_gpu = device.type == "cuda"
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device, on_gpu = run_device(cfg.device)
 
     dtype = cfg.dtype or (torch.bfloat16 if on_gpu else torch.float32)
     if isinstance(dtype, str):

@@ -50,17 +50,7 @@ def peer_counts(topk_ids: Any, num_experts: int, world_size: int) -> Any:
     rank i (rank-major rows) and whose expert lives on rank j (contiguous experts).
     Masked ``-1`` slots count nothing. Row i therefore sums to the routed slots of rank i.
     """
-    _check_positive_int("world_size", world_size)
-    ids = _checked_ids(topk_ids, num_experts)
-    P = world_size
-    if num_experts % P != 0:
-        raise ValueError(f"world_size must divide num_experts={num_experts}, got world_size={P}")
-    batch, (T, K) = ids.shape[:-2], ids.shape[-2:]
-    if T % P != 0:
-        raise ValueError(
-            f"topk_ids token dim T={T} must be a multiple of world_size={P} "
-            "(tokens are split rank-major into equal blocks)"
-        )
+    ids, P, batch, T, K = _rank_major(topk_ids, num_experts, world_size)
     experts_per_rank = num_experts // P
     src = np.repeat(np.arange(T) // max(T // P, 1), K)  # source rank of every slot of a row
 
@@ -81,17 +71,7 @@ def peer_token_counts(topk_ids: Any, num_experts: int, world_size: int) -> Any:
     :func:`peer_counts`, which counts every (token, slot) pair; masked ``-1`` slots count
     nothing.
     """
-    _check_positive_int("world_size", world_size)
-    ids = _checked_ids(topk_ids, num_experts)
-    P = world_size
-    if num_experts % P != 0:
-        raise ValueError(f"world_size must divide num_experts={num_experts}, got world_size={P}")
-    batch, (T, K) = ids.shape[:-2], ids.shape[-2:]
-    if T % P != 0:
-        raise ValueError(
-            f"topk_ids token dim T={T} must be a multiple of world_size={P} "
-            "(tokens are split rank-major into equal blocks)"
-        )
+    ids, P, batch, T, K = _rank_major(topk_ids, num_experts, world_size)
     rows = ids.reshape(math.prod(batch), T, K)
     out = np.zeros((rows.shape[0], P, P), dtype=np.int64)
     step = max(1, _CHUNK_SLOTS // max(T * (P + 1), 1))  # bounds the [chunk, T, P + 1] hit table
@@ -103,6 +83,23 @@ def peer_token_counts(topk_ids: Any, num_experts: int, world_size: int) -> Any:
         out[start:start + step] = hit[:, :, :P].reshape(chunk.shape[0], P, T // P, P).sum(axis=2)
     return _like_input(out.reshape(*batch, P, P), topk_ids)
 
+
+
+def _rank_major(topk_ids: Any, num_experts: int, world_size: int):
+    """(ids, P, batch dims, T, K) of routing split rank-major over ``world_size`` ranks with
+    contiguous experts, or a ValueError naming what does not divide."""
+    _check_positive_int("world_size", world_size)
+    ids = _checked_ids(topk_ids, num_experts)
+    P = world_size
+    if num_experts % P != 0:
+        raise ValueError(f"world_size must divide num_experts={num_experts}, got world_size={P}")
+    batch, (T, K) = ids.shape[:-2], ids.shape[-2:]
+    if T % P != 0:
+        raise ValueError(
+            f"topk_ids token dim T={T} must be a multiple of world_size={P} "
+            "(tokens are split rank-major into equal blocks)"
+        )
+    return ids, P, batch, T, K
 
 def _rows(ids: np.ndarray) -> np.ndarray:
     """``[..., T, K] -> [batch, T*K]`` (explicit sizes, so T = 0 works too)."""
