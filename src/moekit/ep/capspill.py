@@ -180,7 +180,9 @@ class _FixedBufferDispatcher(PlacedExperts):
                               max_tokens=self.max_tokens, dtype=self.dtype)
 
     def _set_options(self, **options) -> None:
-        raise NotImplementedError
+        """Each dispatcher's own constructor options (MaxCounts: ``raise_on_overflow``;
+        Cap-and-Spill: ``conditional``), validated and stored before the ranks agree."""
+        raise NotImplementedError(f"{type(self).__name__} must define _set_options")
 
     # -- phases ------------------------------------------------------------------------
 
