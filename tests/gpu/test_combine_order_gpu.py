@@ -9,14 +9,15 @@ Run now (one GPU, or two with NCCL):
    outputs, computed on the token's own GPU. One GPU (no process group) and two (NCCL).
 2. ``AllToAllDispatcher(combine_order="rank")`` on two GPUs over the adversarial routings of
    the conformance test (tests/ep/cases.py), bf16 and fp32, against ``weighted_rank_sum``.
-3. The low-latency layer on CUDA refuses ``combine_order="rank"`` and ``recv_capacity`` with
-   the same ValueError on both ranks (its symmetric-memory kernels do not have them yet).
+3. The low-latency layer on CUDA refuses ``recv_capacity`` with the same ValueError on both
+   ranks (its symmetric-memory kernels do not have bounded receive buffers yet).
+4. ``EPLowLatencyAllToAll(combine_order="rank")`` on two GPUs (the symmetric-memory kernels'
+   rank order), eager over every routing kind and 200 graph replays with new routing, bitwise
+   ``weighted_rank_sum`` of the loop reference's slot outputs and equal to a second layer.
 
 Wait for the symmetric-memory kernels (strict xfail: today they fail with the ValueError of
-3, and the marker must go when the kernels have the rank order / bounded receive buffers):
+3, and the marker must go when the kernels have bounded receive buffers):
 
-4. ``EPLowLatencyAllToAll(combine_order="rank")`` on two GPUs, eager and graph-replayed,
-   bitwise ``weighted_rank_sum`` of the loop reference's slot outputs;
 5. ``EPLowLatencyAllToAll(recv_capacity=1, spill_rows=1)`` (forced overflow) and
    ``recv_capacity=4``, eager and graph-replayed, bitwise equal to the worst-case layout.
 """
@@ -39,8 +40,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
-KERNELS_PENDING = ("the symmetric-memory kernels do not have the rank combine order / bounded receive buffers yet: "
-                   "the layer refuses them on CUDA (remove this marker when they do)")
+KERNELS_PENDING = ("the symmetric-memory kernels do not have bounded receive buffers yet: the layer refuses "
+                   "recv_capacity on CUDA (remove this marker when they do)")
 
 
 def _setup_env() -> None:
@@ -143,7 +144,7 @@ def test_alltoall_rank_order_on_two_gpus():
 
 def _lowlatency_refuses(rank: int, world_size: int) -> list[str]:
     messages = []
-    for kwargs in (dict(combine_order="rank"), dict(recv_capacity=4)):
+    for kwargs in (dict(recv_capacity=4),):
         try:
             EPLowLatencyAllToAll(8, 256, 4, 16, **kwargs)
             messages.append("built")
@@ -153,15 +154,14 @@ def _lowlatency_refuses(rank: int, world_size: int) -> list[str]:
 
 
 @needs_two_gpus
-def test_lowlatency_refuses_rank_order_and_bounds_on_cuda():
+def test_lowlatency_refuses_bounds_on_cuda():
     _setup_env()
     results = launch(_lowlatency_refuses, 2, backend="nccl")
     assert results[0] == results[1]  # the same error on every rank
-    assert "combine_order='rank' is not implemented by the symmetric-memory" in results[0][0]
-    assert "recv_capacity: bounded receive buffers are not implemented" in results[0][1]
+    assert "recv_capacity: bounded receive buffers are not implemented" in results[0][0]
 
 
-# -- 4, 5. the symmetric-memory kernels (pending) ---------------------------------------------------
+# -- 4, 5. the symmetric-memory kernels ---------------------------------------------------------------
 
 LL_M, LL_H, LL_K, LL_E, LL_G = 8, 256, 4, 16, 128
 
@@ -222,7 +222,6 @@ def _lowlatency_variant(rank: int, world_size: int, kwargs: dict, graph_steps: i
 
 
 @needs_two_gpus
-@pytest.mark.xfail(strict=True, raises=RankFailedError, reason=KERNELS_PENDING)
 def test_lowlatency_rank_order_kernels():
     _setup_env()
     for failures in launch(_lowlatency_variant, 2, dict(combine_order="rank"), 200, backend="nccl"):

@@ -3,8 +3,12 @@ the fixed-buffer dispatchers inside a real CUDA graph, checked by ``check_replay
 
 One GPU: every dispatcher in one process (no process group). Two GPUs (NCCL): a bad id on
 one rank inside a captured MaxCounts / Cap-and-Spill step makes ``check_replay`` raise
-the same error on both ranks. The CPU tests (tests/ep/test_fail_together.py) cover the
-rest on gloo; the low-latency layer's symmetric-memory kernels do not carry the flag yet.
+the same error on both ranks. The low-latency layer's symmetric-memory kernels carry the
+step status and the masked-id flag to every rank: eagerly, a bad id, too many tokens or a
+wrong dtype on one rank raise the same error on both ranks (the bad rank still takes part
+with an empty step) and the next step is exact; under graph replay a bad id on one rank
+makes ``check_replay`` raise the same error on both, in each combine order. The CPU tests
+(tests/ep/test_fail_together.py) cover the rest on gloo.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import pytest
 import torch
 
 from moekit.bench.timing import capture_graph
-from moekit.ep import AllToAllDispatcher, CapAndSpillDispatcher, MaxCountsDispatcher, current_device, launch
+from moekit.ep import (AllToAllDispatcher, CapAndSpillDispatcher, EPLowLatencyAllToAll, MaxCountsDispatcher,
+                       current_device, launch, weighted_rank_sum)
 from moekit.moe.reference import reference_slot_sum
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -119,3 +124,90 @@ def test_device_flag_in_a_cuda_graph_on_two_gpus():
         texts = {r[name]["raised"] for r in results}
         assert len(texts) == 1 and "rank 0 of 2" in texts.pop(), (name, results)
         assert all(r[name]["exact"] for r in results), name
+
+
+# -- the low-latency layer's symmetric-memory kernels -------------------------------------------
+
+LL_M, LL_H, LL_K, LL_E = 8, 256, 4, 16
+
+
+def _ll_want(x, ids, w, order):
+    """Identity experts: the combine contract of ``order`` on this rank's own tensors."""
+    T = x.shape[0]
+    slot_out = x.cpu().unsqueeze(1).expand(T, LL_K, LL_H)
+    if order == "rank":
+        return weighted_rank_sum(slot_out, ids.cpu(), w.cpu(), x.dtype, num_experts=LL_E, world_size=2)
+    return reference_slot_sum(slot_out, ids.cpu(), w.cpu(), x.dtype)
+
+
+def _lowlatency_fail_together(rank, world_size, order):
+    device = current_device()
+    g = torch.Generator().manual_seed(rank)
+
+    def inputs(T):
+        x = torch.randn(T, LL_H, generator=g).to(torch.bfloat16)
+        ids = torch.rand(T, LL_E, generator=g).argsort(1)[:, :LL_K]
+        return x.to(device), ids.to(device), (torch.rand(T, LL_K, generator=g) + 0.05).to(device)
+
+    layer = EPLowLatencyAllToAll(LL_M, LL_H, LL_K, LL_E, online_fp8=False, combine_order=order)
+    x, ids, w = inputs(LL_M)
+    bad_id = ids.clone()
+    if rank == 1:
+        bad_id[0, 0] = LL_E
+    big = inputs(LL_M + 1) if rank == 0 else (x, ids, w)
+    cases = {"bad id on rank 1": (x, bad_id, w), "T > max_m on rank 0": big,
+             "float32 x on rank 1": (x.float() if rank == 1 else x, ids, w)}
+    eager = {}
+    for what, args in cases.items():
+        try:
+            layer.dispatch(*args)
+            eager[what] = None
+        except ValueError as error:
+            eager[what] = str(error)
+    d = layer.dispatch(x, ids, w)
+    eager_exact = torch.equal(layer.combine(d.tokens, d).cpu(), _ll_want(x, ids, w, order))
+
+    x_s, ids_s, w_s = x.clone(), ids.clone(), w.clone()
+    held = {}
+
+    def step():
+        held["d"] = layer.dispatch(x_s, ids_s, w_s)
+        held["y"] = layer.combine(held["d"].tokens, held["d"])
+
+    graph = capture_graph(step)
+    replays = {}
+    for what, who in (("bad id on rank 0", 0), ("clean", None)):
+        ids_s.copy_(ids)
+        if rank == who:
+            ids_s[1, 0] = LL_E + 3
+        graph.replay()
+        torch.cuda.synchronize()
+        try:
+            layer.check_replay(held["d"])
+            raised = None
+        except ValueError as error:
+            raised = str(error)
+        replays[what] = dict(raised=raised, flags=held["d"].handle.state["invalid_by_rank"].tolist())
+    replay_exact = torch.equal(held["y"].cpu(), _ll_want(x, ids, w, order))
+    layer.finalize()
+    return dict(eager=eager, eager_exact=eager_exact, replays=replays, replay_exact=replay_exact)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("order", ["slot", "rank"])
+def test_lowlatency_ranks_fail_together_on_two_gpus(order):
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)  # never NVLink multicast (inherited by the ranks)
+    results = launch(_lowlatency_fail_together, 2, order, backend="nccl", timeout=300)
+    for what, bad_rank in (("bad id on rank 1", 1), ("T > max_m on rank 0", 0), ("float32 x on rank 1", 1)):
+        texts = {r["eager"][what] for r in results}
+        assert len(texts) == 1, (what, results)  # the same error on both ranks
+        text = texts.pop()
+        assert text is not None and f"rank {bad_rank}:" in text and "every rank raises" in text, (what, text)
+    assert all(r["eager_exact"] for r in results), results
+    bad = [r["replays"]["bad id on rank 0"] for r in results]
+    assert bad[0]["raised"] == bad[1]["raised"] and "rank 0 of 2" in bad[0]["raised"], bad
+    assert bad[0]["flags"] == bad[1]["flags"] == [1, 0], bad
+    assert all(r["replays"]["clean"] == dict(raised=None, flags=[0, 0]) for r in results), results
+    assert all(r["replay_exact"] for r in results), results

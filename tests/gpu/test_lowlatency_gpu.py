@@ -5,12 +5,14 @@
    with their sources, slots and order; FP8 within the e4m3 bound (bitwise payload for the
    plain modes); combine of a position-dependent fake expert bitwise equal to
    ``weighted_slot_sum`` of the reference's slot outputs; T > max_m and bad ids raise.
-2. 10,000 eager alternating-phase steps (FP8) + 2,000 (bf16 wire) with fresh random routing
+2. In each combine order (slot, rank): 10,000 eager alternating-phase steps (FP8) + 2,000
+   (bf16 wire) with fresh random routing
    made on the GPU each step (random T, masked slots, repeated experts), and 10,000
    CUDA-graph replays of one captured dispatch + fake expert + combine with new routing
    written into the same input tensors. The fake expert's output depends on the expert and
    the row's source (rank, token) (and, on the bf16 wire, the token), so each step's combine
-   is checked bitwise against ``weighted_slot_sum`` computed on the source rank alone;
+   is checked bitwise against ``weighted_slot_sum`` (``weighted_rank_sum``) computed on the
+   source rank alone;
    mismatches are counted on the GPU and read once at the end.
 3. profile=True: both traces dumped (to $OUT/ll_traces when OUT is set) and loaded back.
 """
@@ -28,7 +30,7 @@ import torch
 from moekit.bench.perfetto import load_trace, phase_durations
 from moekit.bench.timing import capture_graph
 from moekit.ep import EPLowLatencyAllToAll, current_device, launch
-from moekit.ep.dispatcher import weighted_slot_sum
+from moekit.ep.dispatcher import weighted_rank_sum, weighted_slot_sum
 from moekit.ep.lowlatency import COMBINE_PHASES, DISPATCH_PHASES
 from moekit.ep.lowlatency.layout import bits_view
 from tests.ep.lowlatency.reference import (KINDS, check_dispatch, expected_combine, fake_expert,
@@ -141,24 +143,28 @@ def _source_expert(d, rank: int, fp8: bool) -> torch.Tensor:
     return torch.where(valid.unsqueeze(2), out, torch.full_like(out, float("nan")))
 
 
-def _mismatch(y, x, ids, w, rank: int, fp8: bool) -> torch.Tensor:
-    """0-d int: 1 if y differs (bitwise) from what the source rank computes alone."""
+def _mismatch(y, x, ids, w, rank: int, fp8: bool, order: str = "slot") -> torch.Tensor:
+    """0-d int: 1 if y differs (bitwise) from what the source rank computes alone (the
+    contract of the combine order: ``weighted_slot_sum`` or ``weighted_rank_sum``)."""
     T = ids.shape[0]
     values = x.float().unsqueeze(1).expand(T, S_K, S_H) if not fp8 else torch.ones(T, S_K, S_H, device=x.device)
     token = torch.arange(T, device=x.device).view(T, 1).expand(T, S_K)
     slot_out = fake_expert(values, ids, torch.zeros((), device=x.device), torch.full_like(ids, rank), token,
                            torch.bfloat16)
-    want = weighted_slot_sum(slot_out, ids, w, torch.bfloat16)
+    if order == "rank":
+        want = weighted_rank_sum(slot_out, ids, w, torch.bfloat16, num_experts=S_E, world_size=2)
+    else:
+        want = weighted_slot_sum(slot_out, ids, w, torch.bfloat16)
     return (bits_view(y) != bits_view(want)).any().to(torch.int64)
 
 
-def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int) -> dict:
+def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int, order: str = "slot") -> dict:
     device = current_device()
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     host = random.Random(rank)
     out = {}
     for name, fp8, n in (("eager fp8", True, eager_iters), ("eager bf16", False, eager_iters // 5)):
-        layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=fp8)
+        layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=fp8, combine_order=order)
         bad = torch.zeros((), dtype=torch.int64, device=device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -166,13 +172,13 @@ def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int) -> d
             T = host.choice([0, S_M, host.randint(0, S_M)])
             x, ids, w = _random_routing(T, device, g)
             d = layer.dispatch(x, ids, w)
-            bad += _mismatch(layer.combine(_source_expert(d, rank, fp8), d), x, ids, w, rank, fp8)
+            bad += _mismatch(layer.combine(_source_expert(d, rank, fp8), d), x, ids, w, rank, fp8, order)
         torch.cuda.synchronize()
         out[name] = dict(iters=n, mismatches=int(bad), us_per_iter=(time.perf_counter() - t0) / max(n, 1) * 1e6)
         layer.finalize()
 
     # one captured step, replayed with new routing written into the same tensors (tail masked)
-    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=True)
+    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=True, combine_order=order)
     x_s = torch.zeros(S_M, S_H, dtype=torch.bfloat16, device=device)
     ids_s = torch.full((S_M, S_K), -1, dtype=torch.int64, device=device)
     w_s = torch.zeros(S_M, S_K, device=device)
@@ -197,7 +203,7 @@ def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int) -> d
     for i in range(graph_iters):
         write(host.randint(0, S_M))
         graph.replay()
-        bad += _mismatch(held["y"], x_s, ids_s, w_s, rank, True)
+        bad += _mismatch(held["y"], x_s, ids_s, w_s, rank, True, order)
     torch.cuda.synchronize()
     out["graph fp8"] = dict(iters=graph_iters, mismatches=int(bad),
                             us_per_iter=(time.perf_counter() - t0) / max(graph_iters, 1) * 1e6)
@@ -205,13 +211,15 @@ def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int) -> d
     return out
 
 
-def test_many_steps_eager_and_graph_replay(capsys):
+@pytest.mark.parametrize("order", ["slot", "rank"])
+def test_many_steps_eager_and_graph_replay(capsys, order):
+    """The soak, in each combine order (each against its own contract, bitwise)."""
     _setup_env()
     t0 = time.perf_counter()
-    results = launch(_stress, 2, STRESS_ITERS, GRAPH_ITERS, backend="nccl")
+    results = launch(_stress, 2, STRESS_ITERS, GRAPH_ITERS, order, backend="nccl")
     with capsys.disabled():
         for rank, r in enumerate(results):
-            print(f"\n[lowlatency gpu] rank {rank}: " + "; ".join(
+            print(f"\n[lowlatency gpu] {order} order, rank {rank}: " + "; ".join(
                 f"{k}: {v['iters']} steps, {v['mismatches']} mismatched, {v['us_per_iter']:.0f} µs/step (incl. checks)"
                 for k, v in r.items()), end="")
         print(f"\n[lowlatency gpu] stress total {time.perf_counter() - t0:.0f} s", flush=True)

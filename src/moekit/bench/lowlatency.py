@@ -28,10 +28,9 @@ of the GPU in chunks, so the events time the GPU and not the host: see ``_time_p
 Combine orders (``--combine-order slot|rank|both``). ``rank`` times the layer and the
 all-to-all with ``combine_order="rank"`` (one partial row per (token, rank) comes back;
 series ``lowlatency[rank]``, ``alltoall[rank]``); ``both`` times both orders in the same run.
-The symmetric-memory kernels do not have the rank order yet: on GPUs ``lowlatency[rank]`` is
-skipped with that reason in the record, and ``alltoall[rank]`` still runs.
 ``--recv-capacity C`` adds the layer with a bounded receive buffer (``lowlatency[C=..]``,
-per order; on GPUs skipped likewise until the kernels have it).
+per order); the symmetric-memory kernels do not have it yet, so on GPUs that series is
+skipped with the reason in the record.
 
 Byte floor. The bytes that must cross NVLink for each step's routing (the slowest rank;
 dispatch: one copy per (token, remote rank) of the FP8 payload + scales, plus the routing
@@ -269,10 +268,8 @@ def series_name(method: str, order: str, recv_capacity: int | None = None) -> st
 
 def gpu_skip_reason(order: str, recv_capacity: int | None) -> str | None:
     """Why the layer cannot run this variant on GPUs yet (None: it can)."""
-    if order == "rank":
-        return "the symmetric-memory kernels do not have the rank combine order yet (two-GPU work)"
     if recv_capacity is not None:
-        return "the symmetric-memory kernels do not have bounded receive buffers yet (two-GPU work)"
+        return "the symmetric-memory kernels do not have bounded receive buffers yet"
     return None
 
 

@@ -14,27 +14,25 @@ small collective before the transport allocates anything, that every rank passed
 sizes, dtype, FP8 settings and device type. In ``dispatch``, what happens to a bad input
 (T > max_m, shapes, dtypes, devices, expert ids outside [-1, E)) depends on the transport:
 
-* a transport that carries step statuses (``exchanges_status``, the gloo transport): the
-  bad rank still takes part in the exchange with an empty, well-formed message carrying
-  its error, and every rank raises the same ValueError, naming the bad rank, after that
-  one exchange; the next step pairs up normally;
-* the symmetric-memory transport (GPU): arguments are validated on the host before
-  anything is sent, and a rank that raises does so alone; its peers then wait for it (the
-  process group's timeout bounds that). Carrying the error flag through its kernels, like
-  the bad-id flag below, is left to the two-GPU work on those kernels.
+* both transports carry step statuses (``exchanges_status``): the bad rank still takes
+  part in the step's exchange with an empty, well-formed message carrying its error (the
+  gloo message; on the GPU, a status row stored into every rank's buffer by the dispatch
+  kernel), and every rank raises the same ValueError, naming the bad rank, after that one
+  exchange; the next step pairs up normally.
 
-Inside a CUDA-graph capture the ids cannot be read on the host: out-of-range ids are
-treated as masked and ``state["invalid_ids"]`` (this rank's flag, on the device) says so;
-:meth:`EPLowLatencyAllToAll.check_replay` is the host check after a replay.
+Inside a CUDA-graph capture nothing can be read on the host: out-of-range ids are treated
+as masked, ``state["invalid_ids"]`` says whether any rank had one and
+``state["invalid_by_rank"]`` which (the symmetric-memory kernels send each rank's flag with
+its tokens); :meth:`EPLowLatencyAllToAll.check_replay` is the host check after a replay,
+the same error on every rank.
 
 Two options change what crosses the wire (:mod:`moekit.ep.lowlatency.layout`):
 ``combine_order="rank"`` sends one partial row per (token, rank) back instead of one row per
 slot, and ``recv_capacity`` bounds the receive buffer to that many rows per source, the
-rest travelling in spill rounds. The gloo transport and the host-side layout implement
-both. The symmetric-memory kernels do not yet: their rank order and bounded receive
-buffers wait for the two-GPU work on those kernels (they can only be written and tested
-on two GPUs), so asking for either on a CUDA device raises a ValueError when the layer is
-built, on every rank.
+rest travelling in spill rounds. The gloo transport implements both, the symmetric-memory
+kernels the rank order; their bounded receive buffers are not written yet, so asking for
+``recv_capacity`` on a CUDA device raises a ValueError when the layer is built, on every
+rank.
 
 The transport moves the bytes: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` on CPU
 tensors, ``SymmMemTransport`` (``moekit.ep.lowlatency.cuda``, Triton over torch symmetric
@@ -121,7 +119,7 @@ class EPLowLatencyAllToAll:
     :class:`~moekit.ep.PeerError` (None: the process group's timeout, which the GPU
     transport always uses). ``combine_order``: ``"slot"`` (default) or ``"rank"``;
     ``recv_capacity`` / ``spill_rows``: the bounded receive buffer (None: ``max_m`` rows per
-    source, nothing spills); both need the gloo transport for now (module docstring). In
+    source, nothing spills), gloo transport only for now (module docstring). In
     the rank order the expert ranks weight the outputs, so ``dispatch`` needs
     ``topk_weights`` and a ``combine(expert_out, topk_ids, topk_weights, meta)`` must pass
     the same weights.
@@ -225,7 +223,7 @@ class EPLowLatencyAllToAll:
         if weights is None:  # the protocol's checks want weights: an unread stand-in of the right shape
             weights = torch.empty((), dtype=torch.float32, device=getattr(x, "device", None)).expand(T, K)
         capturing = isinstance(x, torch.Tensor) and _capturing(x)
-        invalid = None
+        invalid = flagged_ranks = None
         by_rank = L.combine_order == "rank"
         if getattr(self.transport, "exchanges_status", False) and not capturing:
             # Every rank's input is checked together, in the dispatch exchange itself.
@@ -251,10 +249,15 @@ class EPLowLatencyAllToAll:
         self._check_tensor("x", x, L.dtype)
         stamps = self._new_stamps("dispatch", len(DISPATCH_PHASES))
         if hasattr(self.transport, "dispatch_unchecked"):  # the masking below, inside its dispatch kernel
+            if by_rank and topk_weights is None:
+                raise ValueError("topk_weights: combine_order='rank' weights the expert outputs on the expert ranks, "
+                                 "so dispatch needs the routing weights; pass dispatch(x, topk_ids, topk_weights)")
+            extra = dict(weights=topk_weights.contiguous()) if by_rank else {}
             recv, ids, device_invalid = self.transport.dispatch_unchecked(
-                x.contiguous(), topk_ids.contiguous(), L.num_experts, stamps)
+                x.contiguous(), topk_ids.contiguous(), L.num_experts, stamps, **extra)
             if capturing:
                 invalid = device_invalid
+                flagged_ranks = getattr(self.transport, "invalid_ranks", None)
         else:
             ids = topk_ids.to(torch.int32)
             if capturing:  # ids could not be checked: treat out-of-range ids as masked, and say so
@@ -262,17 +265,19 @@ class EPLowLatencyAllToAll:
                 ids = torch.where(bad, -1, ids)
                 invalid = bad.any()
             recv = self.transport.dispatch(x.contiguous(), ids.contiguous(), stamps)
-        return self._finish_dispatch(recv, ids, topk_weights, T, invalid, stamps)
+        return self._finish_dispatch(recv, ids, topk_weights, T, invalid, stamps, flagged_ranks)
 
     def _finish_dispatch(self, recv, ids: torch.Tensor, topk_weights: torch.Tensor | None, T: int,
-                         invalid: torch.Tensor | None, stamps: torch.Tensor | None) -> LowLatencyDispatched:
+                         invalid: torch.Tensor | None, stamps: torch.Tensor | None,
+                         flagged_ranks: torch.Tensor | None = None) -> LowLatencyDispatched:
         """Receiver side of dispatch: the expert-major bookkeeping and the fan-out."""
         self._stamp(stamps, POSTPROCESS, START)
         meta = self.transport.postprocess(recv)
         tokens, scales = self.transport.fan_out(recv, meta)
         self._stamp(stamps, POSTPROCESS, END)
         meta.num_dispatched = T
-        state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid)
+        state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid,
+                     invalid_by_rank=flagged_ranks)
         if self.layout.bounded:  # counted on the device: tokens that came in spill rounds, and the rounds
             state.update(overflow_tokens=recv.overflow.sum(), spill_rounds=recv.spill_rounds)
         return LowLatencyDispatched(tokens=tokens, counts=meta.counts, handle=LowLatencyHandle(meta, state),
@@ -280,16 +285,20 @@ class EPLowLatencyAllToAll:
 
     def check_replay(self, dispatched: LowLatencyDispatched) -> None:
         """The host check after replaying a captured dispatch (one host read): a ValueError
-        when this rank's ids held values outside [-1, E), which the graph treated as masked.
+        when a rank's ids held values outside [-1, E), which the graph treated as masked.
 
-        Only this rank's flag is known: the symmetric-memory kernels do not yet send it to
-        the peers (that belongs to the two-GPU work on them), so only the bad rank raises.
+        The symmetric-memory kernels send each rank's flag with its tokens, so every rank
+        raises the same error naming the bad ranks. A transport without such kernels masks
+        with torch ops, and only the bad rank knows (and raises).
         """
-        invalid = dispatched.handle.state["invalid_ids"]
-        if invalid is not None and bool(invalid):
-            raise_for_flagged_ranks("EPLowLatencyAllToAll", [True],
-                                    f"topk_ids held ids outside [-1, {self.num_experts - 1}] (-1 = masked slot) in "
-                                    "the replayed step; the graph treated them as masked slots")
+        state = dispatched.handle.state
+        if state["invalid_ids"] is None:
+            return
+        by_rank = state.get("invalid_by_rank")
+        flags = [bool(v) for v in (by_rank if by_rank is not None else state["invalid_ids"].view(1)).tolist()]
+        raise_for_flagged_ranks("EPLowLatencyAllToAll", flags,
+                                f"topk_ids held ids outside [-1, {self.num_experts - 1}] (-1 = masked slot) in "
+                                "the replayed step; the graph treated them as masked slots")
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -508,12 +517,7 @@ def _device_type(device, group, distributed: bool) -> str:
 
 
 def _check_gpu_transport_options(layout: LowLatencyLayout) -> None:
-    """The options the symmetric-memory kernels do not implement yet (they wait for the
-    two-GPU work on those kernels)."""
-    if layout.combine_order != "slot":
-        raise ValueError("combine_order='rank' is not implemented by the symmetric-memory (GPU) transport yet: its "
-                         "kernels send one row per slot, and their rank order needs two GPUs to be written and "
-                         "tested; use combine_order='slot' on CUDA devices, or CPU tensors (the gloo transport)")
+    """The options the symmetric-memory kernels do not implement yet."""
     if layout.recv_capacity is not None:
         raise ValueError("recv_capacity: bounded receive buffers are not implemented by the symmetric-memory (GPU) "
                          "transport yet (its kernels need two GPUs to be written and tested); leave recv_capacity "

@@ -28,6 +28,21 @@ sized from the compiled kernels' occupancy):
   still arriving: the K-slot float32 sum in slot order, compiled without FMA contraction so
   it is bitwise equal to :func:`moekit.ep.dispatcher.weighted_slot_sum`.
 
+The rank combine order (``combine_order="rank"``): the dispatch also stores each token's
+float32 weights row with its ids, and the combine's put units send one partial row per
+(token, rank) instead of one row per slot: the weighted outputs of the token's slots served
+here, summed in float32 in slot order and rounded once, into row (t, RANK) of the token's
+rank; the reduce adds the partials of the ranks the token's ids name, in rank order
+(bitwise :func:`moekit.ep.dispatcher.weighted_rank_sum`). A token's bytes on the way back
+fall from K rows to one per rank that holds its experts.
+
+Ranks fail together: program 0 of the dispatch stores this rank's step status
+(:mod:`moekit.ep.agreement`, built on the host without a device read) into a status row of
+every rank, and a program that masked an out-of-range id stores a flag there; both travel
+ahead of the arrival signal, so after the wait every rank holds every rank's status (read on
+the host by an eager step) and flags (read by the host check after a graph replay). A rank
+with bad input sends an empty step (T = 0) and still takes part.
+
 Each direction is one kernel, not a put kernel and a receive kernel: under graph replay
 every extra launch leaves a gap between kernels (docs/lowlatency.md has the numbers).
 
@@ -49,7 +64,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, topk_reduce
+from moekit.ep.agreement import STATUS_WORDS
+from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, rank_reduce, topk_reduce
 from moekit.kernels.occupancy import resident_ctas_per_sm
 
 import triton
@@ -57,7 +73,10 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 MAX_PEERS = 8  # peer base pointers are kernel arguments P0..P7 (ranks of one NVLink domain)
-MAX_PROGRAMS = 1024  # the dispatch kernel gathers one flag per program
+MAX_PROGRAMS = 1024  # the most programs of one cooperative grid
+# One row per source in a phase's status region: the step status words (moekit.ep.agreement),
+# then the masked-id flag.
+STATUS_ROW = STATUS_WORDS + 1
 # Programs per SM of the cooperative grids, at most (fewer where registers or shared memory
 # do not allow it): the put loops keep more NVLink stores in flight with more programs.
 DISPATCH_CTAS_PER_SM = 2  # 8 warps each
@@ -215,14 +234,15 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HSP: tl.constexpr,
                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                 G: tl.constexpr, NG: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, w_ptr, OFF_W, W_PHASE, BY_RANK: tl.constexpr):
     """quant_and_put for units pid, pid + nprog, ... of (token, column share): SPLIT units per
     token, each a contiguous share of its columns (whole groups when quantizing; HSP / NGSP:
     the share's columns / groups, rounded up to a power of two). A unit masks the token's ids
     (those outside [-1, NE) become -1), quantizes its share and stores it once into every rank
     hosting one of the token's experts; share 0 also stores the int32 ids row into
-    ``ids_out`` and into every rank; program 0 stores T. Returns 1 if this program masked an
-    id, else 0."""
+    ``ids_out`` and into every rank, and in the rank combine order (BY_RANK) the float32
+    weights row too (the expert ranks weight the outputs); program 0 stores T. Returns 1 if
+    this program masked an id, else 0."""
     ks = tl.arange(0, KP)
     k_ok = ks < K
     if QUANT:
@@ -241,6 +261,8 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
         ids = tl.where(bad, -1, raw).to(tl.int32)
         first = k_ok & (part == 0)
         tl.store(ids_out_ptr + t * K + ks, ids, mask=first)
+        if BY_RANK:
+            wts = tl.load(w_ptr + t * K + ks, mask=first, other=0.0).to(tl.float32)
         row = (RANK * M + t).to(tl.int64)
         if QUANT:
             g = part * NGS + grp  # this share's groups
@@ -260,6 +282,9 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
             base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
             i_dst = _region(base, OFF_I, phase, I_PHASE, tl.int32)
             tl.store(i_dst + row * K + ks, ids, mask=first)
+            if BY_RANK:
+                w_dst = _region(base, OFF_W, phase, W_PHASE, tl.float32)
+                tl.store(w_dst + row * K + ks, wts, mask=first)
             hits = tl.sum(((ids >= d * EL) & (ids < (d + 1) * EL)).to(tl.int32), axis=0)
             if hits > 0:
                 x_dst = _region(base, OFF_X, phase, X_PHASE, payload.dtype)
@@ -273,6 +298,37 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
             t_dst = _region(base, OFF_T, phase, T_PHASE, tl.int32)
             tl.store(t_dst + RANK, T)
     return tl.max(bad_any, 0)
+
+
+@triton.jit
+def _send_status(pid, bad, status_ptr, phase, epoch, OFF_ST, ST_PHASE, P0, P1, P2, P3, P4, P5, P6, P7,
+                 RANK: tl.constexpr, W: tl.constexpr, SW: tl.constexpr, SWP: tl.constexpr):
+    """Before this program's arrival signal (whose fence orders these stores): program 0
+    stores this rank's step status words into row RANK of every rank's status region, and a
+    program that masked an id stores this use of the phase (``epoch // 2 + 1``) into the
+    row's last word, the device flag. The flag counts only when it equals the receiver's use,
+    so a flag left from an earlier step never does, and nobody has to clear it."""
+    ww = tl.arange(0, SWP)
+    for d in tl.static_range(W):
+        row = _region(_peer(d, P0, P1, P2, P3, P4, P5, P6, P7), OFF_ST, phase, ST_PHASE, tl.int64) + RANK * SW
+        if pid == 0:
+            words = tl.load(status_ptr + ww, mask=ww < SW - 1, other=0)
+            tl.store(row + ww, words, mask=ww < SW - 1)
+        if bad != 0:
+            tl.store(row + (SW - 1), (epoch >> 1) + 1)
+
+
+@triton.jit
+def _gather_flags(own_ptr, phase, epoch, OFF_ST, ST_PHASE, invalid_ranks_ptr, invalid_ptr,
+                  W: tl.constexpr, WP: tl.constexpr, SW: tl.constexpr):
+    """After the wait: which sources flagged masked ids in this step (``invalid_ranks``, int32
+    per rank) and whether any did (``invalid``), the same on every rank."""
+    ss = tl.arange(0, WP)
+    rows = _region(own_ptr, OFF_ST, phase, ST_PHASE, tl.int64)
+    flag = tl.load(rows + ss * SW + (SW - 1), mask=ss < W, other=0)
+    flagged = (flag == (epoch >> 1) + 1).to(tl.int32)
+    tl.store(invalid_ranks_ptr + ss, flagged, mask=ss < W)
+    tl.store(invalid_ptr, tl.max(flagged, 0) > 0)
 
 
 @triton.jit
@@ -404,11 +460,13 @@ def _grid_barrier(state_ptr, COUNT: tl.constexpr, GEN: tl.constexpr, nprog):
 
 
 @triton.jit
-def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, own_ptr, state_ptr, stamps_ptr,
+def _dispatch_kernel(x_ptr, ids_ptr, w_ptr, status_ptr, ids_out_ptr, invalid_ranks_ptr, invalid_ptr, T, NE,
+                     own_ptr, state_ptr, stamps_ptr,
                      tok_ptr, tsc_ptr, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
                      range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr,
                      P0, P1, P2, P3, P4, P5, P6, P7,
-                     OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_CNT,
+                     OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_W, W_PHASE, OFF_ST, ST_PHASE,
+                     OFF_CNT, BY_RANK: tl.constexpr, SW: tl.constexpr, SWP: tl.constexpr, WP: tl.constexpr,
                      RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
                      HSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                      G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
@@ -418,7 +476,9 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
     spinning in the wait cannot keep a sender off the GPU): quant_and_put (tokens pid,
     pid + grid, ...), count_put (the last program to finish its puts raises this source's
     counter on every rank), wait (every source's counter), postprocess (local experts pid,
-    pid + grid, ...). Program 0 also says whether any program masked an id."""
+    pid + grid, ...). The step status and the masked-id flag travel with the tokens
+    (:func:`_send_status`), and program 0 gathers every source's flag after the wait, so
+    every rank learns in the same step which ranks had bad ids."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 0)
@@ -427,8 +487,9 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
         t0 = globaltimer()
     bad = _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase, P0, P1, P2, P3, P4, P5, P6, P7,
                       OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                      RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT)
-    tl.store(bad_ptr + pid, bad)
+                      RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT, w_ptr, OFF_W, W_PHASE, BY_RANK)
+    _send_status(pid, bad, status_ptr, phase, epoch, OFF_ST, ST_PHASE, P0, P1, P2, P3, P4, P5, P6, P7,
+                 RANK, W, SW, SWP)
     if PROFILE:
         t1 = globaltimer()
         _stamp_range(stamps_ptr, 0, t0, t1)
@@ -441,9 +502,8 @@ def _dispatch_kernel(x_ptr, ids_ptr, ids_out_ptr, bad_ptr, invalid_ptr, T, NE, o
     if PROFILE:
         t3 = globaltimer()
         _stamp_range(stamps_ptr, 2, t2, t3)
-    if pid == 0:  # every program stored its flag before its ticket, which the wait ordered before this
-        flags = tl.load(bad_ptr + tl.arange(0, 1024), mask=tl.arange(0, 1024) < nprog, other=0)
-        tl.store(invalid_ptr, tl.max(flags, 0) > 0)
+    if pid == 0:  # the sources' flags were stored before their arrival signals, which the wait acquired
+        _gather_flags(own_ptr, phase, epoch, OFF_ST, ST_PHASE, invalid_ranks_ptr, invalid_ptr, W, WP, SW)
     e = pid
     while e < EL:
         count = _recv_meta(e, own_ptr, phase, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
@@ -493,6 +553,62 @@ def _put_outputs(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, P
         m = ok[:, None] & (hh < H)[None, :]
         v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=m)
         tl.store(c_dst + slot[:, None] * H + hh[None, :], v, mask=m)
+
+
+@triton.jit
+def _put_partials(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, dphase, own_ptr,
+                  P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_W, W_PHASE,
+                  RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                  TB: tl.constexpr, BH: tl.constexpr, SPLIT: tl.constexpr):
+    """The rank order's copy_and_put for source rank d's tokens [b*TB, (b+1)*TB), column
+    blocks part, part + SPLIT, ...: per token, the weighted expert outputs of its slots this
+    rank serves, summed in float32 in slot order (separate multiply and add: the kernel is
+    compiled without FMA contraction, so the float32 operations are those of
+    ``rank_order.partial_rows``), rounded once, stored as row (t, RANK) of rank d's partial
+    rows. Tokens with no slot here store nothing (the token's rank does not read that row).
+    The weights are the ones d sent with its dispatch (phase ``dphase`` of this buffer)."""
+    t = b * TB + tl.arange(0, TB)
+    live = t < n_tok
+    wts = _region(own_ptr, OFF_W, dphase, W_PHASE, tl.float32)
+    p_dst = _region(_peer(d, P0, P1, P2, P3, P4, P5, P6, P7), OFF_C, phase, C_PHASE, eo_ptr.dtype.element_ty)
+    NBH: tl.constexpr = (H + BH - 1) // BH
+    for j in tl.static_range((NBH + SPLIT - 1) // SPLIT):
+        hh = (j * SPLIT + part) * BH + tl.arange(0, BH)
+        h_ok = hh < H
+        acc = tl.zeros((TB, BH), tl.float32)
+        has = tl.zeros((TB,), tl.int32)
+        for k in tl.static_range(K):
+            slot = (d * M + t) * K + k
+            src = tl.load(slot_row_ptr + slot, mask=live, other=-1)
+            ok = src >= 0
+            w = tl.load(wts + slot, mask=ok, other=0.0)
+            v = tl.load(eo_ptr + src[:, None] * H + hh[None, :], mask=ok[:, None] & h_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.where(ok[:, None], acc + v * w[:, None], acc)
+            has = has | ok.to(tl.int32)
+        dst = (t * W + RANK).to(tl.int64) * H
+        tl.store(p_dst + dst[:, None] + hh[None, :], acc.to(eo_ptr.dtype.element_ty),
+                 mask=(has != 0)[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _reduce_ranks(t, hb, own_ptr, ids_ptr, out_ptr, phase, OFF_C, C_PHASE,
+                  W: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
+                  BH: tl.constexpr):
+    """The rank order's reduce of token t, columns [hb*BH, (hb+1)*BH): the partial rows of the
+    ranks holding the token's experts, added in float32 in rank order from 0 and rounded once
+    (``rank_order.sum_partials``); a rank holding none of them is never read into the sum."""
+    hh = hb * BH + tl.arange(0, BH)
+    h_ok = hh < H
+    ks = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + t * K + ks, mask=ks < K, other=-1)
+    parts = _region(own_ptr, OFF_C, phase, C_PHASE, out_ptr.dtype.element_ty)
+    acc = tl.zeros((BH,), tl.float32)
+    for r in tl.static_range(W):
+        hit = tl.sum(((ids >= r * EL) & (ids < (r + 1) * EL)).to(tl.int32), axis=0) > 0
+        v = tl.load(parts + (t * W + r).to(tl.int64) * H + hh, mask=h_ok, other=0.0).to(tl.float32)
+        acc = tl.where(hit, acc + v, acc)
+    tl.store(out_ptr + t.to(tl.int64) * H + hh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
@@ -547,10 +663,10 @@ def _wait_token(own_ptr, OFF_TOK, phase, TOK_PHASE, t, EXPECTED: tl.constexpr):
 
 @triton.jit
 def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr,
-                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_TOK, TOK_PHASE,
+                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_TOK, TOK_PHASE, OFF_W, W_PHASE,
                     RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
-                    K: tl.constexpr, KP: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr, BH: tl.constexpr,
-                    PUT_SPLIT: tl.constexpr, PROFILE: tl.constexpr):
+                    K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr,
+                    BH: tl.constexpr, PUT_SPLIT: tl.constexpr, BY_RANK: tl.constexpr, PROFILE: tl.constexpr):
     """The whole combine in one cooperative launch: copy_and_put over units (source rank,
     TB tokens, column share), then the per-token arrival signals (one fence per program, then
     one counter add per token of its units, on the token's rank), then topk_reduce over units
@@ -558,6 +674,9 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
     rows are in is summed while other tokens are still on the wire. Each list is walked pid,
     pid + grid, ... The put units are numbered source after source, as many as each source
     sent tokens (the grid is sized on the host from this rank's T, without knowing the peers').
+    In the rank combine order (BY_RANK) a put unit sends one partial row per token instead of
+    one row per slot (:func:`_put_partials`), and the reduce adds the ranks' partials
+    (:func:`_reduce_ranks`); the signals are the same.
 
     Token counters of a phase are zeroed by program 0 of the combine before, which uses the
     other phase: the last reads of them were in that rank's previous combine, and no peer adds
@@ -572,13 +691,19 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
     if PROFILE:
         t0 = globaltimer()
     NBH: tl.constexpr = (H + BH_PUT - 1) // BH_PUT
+    dphase = (tl.load(state_ptr + 0) - 1) & 1  # the phase of the dispatch this combine answers
     u = pid  # the unit index, relative to the current source's first unit
     for d in tl.static_range(W):
         n_tok = tl.load(num_tokens_ptr + d)
         units = (n_tok + TB - 1) // TB * PUT_SPLIT
         while u < units:
-            _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
-                         P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, M, H, K, KP, TB, BH_PUT, PUT_SPLIT)
+            if BY_RANK:
+                _put_partials(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase, dphase, own_ptr,
+                              P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_W, W_PHASE,
+                              RANK, W, M, H, K, TB, BH_PUT, PUT_SPLIT)
+            else:
+                _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
+                             P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, M, H, K, KP, TB, BH_PUT, PUT_SPLIT)
             u += nprog
         u -= units
     if PROFILE:
@@ -606,7 +731,10 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
             _wait_token(own_ptr, OFF_TOK, phase, TOK_PHASE, u // HB, W * NBH)
             if PROFILE:
                 t_wait += globaltimer() - tw
-            _reduce_slots(u // HB, u % HB, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE, H, K, BH)
+            if BY_RANK:
+                _reduce_ranks(u // HB, u % HB, own_ptr, ids_ptr, out_ptr, phase, OFF_C, C_PHASE, W, H, K, KP, EL, BH)
+            else:
+                _reduce_slots(u // HB, u % HB, own_ptr, ids_ptr, w_ptr, out_ptr, phase, OFF_C, C_PHASE, H, K, BH)
             u += nprog
         if PROFILE:
             # recv_wait: from the end of the signals to the end of this program's waiting (the
@@ -627,6 +755,8 @@ class SymmMemTransport:
     """
 
     stamps_layer_phases = True  # the kernels stamp postprocess / topk_reduce themselves
+    exchanges_status = True  # dispatch(..., status=) carries every rank's step status
+    combine_orders = ("slot", "rank")
 
     def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
@@ -644,19 +774,26 @@ class SymmMemTransport:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         W, M, H, K, EL = L.world_size, L.max_m, L.hidden, L.topk, L.experts_per_rank
         self.quant = L.online_fp8
+        self.by_rank = L.combine_order == "rank"
         x_elem = 1 if self.quant else L.dtype.itemsize
         ng = L.num_groups if self.quant else 0
-        # Region sizes of one phase, and the byte offset of each region's phase 0.
+        # Region sizes of one phase, and the byte offset of each region's phase 0. The combine
+        # region holds K slot rows per token, or in the rank order one partial row per
+        # (token, rank); only the rank order sends weights.
         self.x_phase = _round_up(W * M * H * x_elem)
         self.s_phase = _round_up(max(W * M * ng * 4, 1))
         self.i_phase = _round_up(W * M * K * 4)
         self.t_phase = _round_up(W * 4)
-        self.c_phase = _round_up(M * K * H * L.dtype.itemsize)
+        self.w_phase = _round_up(W * M * K * 4 if self.by_rank else 1)
+        self.st_phase = _round_up(W * STATUS_ROW * 8)
+        self.c_phase = _round_up(M * (W if self.by_rank else K) * H * L.dtype.itemsize)
         self.off_x = 0
         self.off_s = self.off_x + 2 * self.x_phase
         self.off_i = self.off_s + 2 * self.s_phase
         self.off_t = self.off_i + 2 * self.i_phase
-        self.off_c = self.off_t + 2 * self.t_phase
+        self.off_w = self.off_t + 2 * self.t_phase
+        self.off_st = self.off_w + 2 * self.w_phase
+        self.off_c = self.off_st + 2 * self.st_phase
         self.tok_phase = _round_up(M * TOK_STRIDE.value * 4)
         self.off_dcnt = self.off_c + 2 * self.c_phase
         self.off_tok = self.off_dcnt + _round_up(2 * W * 8)
@@ -687,8 +824,11 @@ class SymmMemTransport:
         )
         self.out = torch.empty(M, H, dtype=L.dtype, device=dev)
         self.ids = torch.empty(M, K, dtype=torch.int32, device=dev)  # the masked ids of the latest dispatch
-        self.invalid = torch.zeros((), dtype=torch.bool, device=dev)  # ... and whether any were masked
-        self._bad = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=dev)  # per program of the dispatch
+        # ... which ranks' dispatch masked ids (the same on every rank), and whether any did
+        self.invalid_ranks = torch.zeros(W, dtype=torch.int32, device=dev)
+        self.invalid = torch.zeros((), dtype=torch.bool, device=dev)
+        self._no_status = torch.zeros(STATUS_WORDS, dtype=torch.int64, device=dev)  # sent when the layer sends none
+        self._no_weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
         self._calls = 0
         self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
         self._pending = None  # combine's arguments, until topk_reduce launches the combine kernel
@@ -714,25 +854,45 @@ class SymmMemTransport:
                          (W, M, L.num_groups)) if self.quant else None)
         ids = region(self.off_i + phase * self.i_phase, W * M * K * 4, torch.int32, (W, M, K))
         num = region(self.off_t + phase * self.t_phase, W * 4, torch.int32, (W,))
-        return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num)
+        status = region(self.off_st + phase * self.st_phase, W * STATUS_ROW * 8, torch.int64,
+                        (W, STATUS_ROW))[:, :STATUS_WORDS]
+        weights = (region(self.off_w + phase * self.w_phase, W * M * K * 4, torch.float32, (W, M, K))
+                   if self.by_rank else None)
+        return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num, status=status, weights=weights)
 
     def _consts(self) -> dict:
         L = self.layout
         return dict(RANK=L.rank, W=L.world_size, M=L.max_m, H=L.hidden, K=L.topk, EL=L.experts_per_rank)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None) -> RecvBuffers:
-        return self.dispatch_unchecked(x, topk_ids, self.layout.num_experts, stamps)[0]
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, stamps: torch.Tensor | None, *,
+                 status: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> RecvBuffers:
+        """The Transport's dispatch. ``status`` (``[STATUS_WORDS]`` int64 on this device, or
+        None: zeros) is this rank's step status, delivered with the tokens to every rank as
+        ``RecvBuffers.status``; ``weights [T, K]`` (rank order only) go with the ids."""
+        return self.dispatch_unchecked(x, topk_ids, self.layout.num_experts, stamps, status=status,
+                                       weights=weights)[0]
 
     def dispatch_unchecked(self, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                           stamps: torch.Tensor | None) -> tuple[RecvBuffers, torch.Tensor, torch.Tensor]:
+                           stamps: torch.Tensor | None, *, status: torch.Tensor | None = None,
+                           weights: torch.Tensor | None = None) -> tuple[RecvBuffers, torch.Tensor, torch.Tensor]:
         """:meth:`dispatch` for ids the host has not checked (under CUDA-graph capture it
         cannot read them): ``topk_ids`` int32/int64, any values. The kernel treats ids outside
         [-1, num_experts) as -1. Returns (receive buffers, the masked int32 ids [T, K], a
-        device bool: whether any id was masked); the last two are valid until the next
-        dispatch. One launch: ``_dispatch_kernel``."""
+        device bool: whether any rank masked an id in this step); the last two, and
+        :attr:`invalid_ranks` (which ranks did, the same on every rank), are valid until the
+        next dispatch. One launch: ``_dispatch_kernel``. A step of
+        T = 0 (a rank whose input was bad still takes part) reads none of x, ids, weights."""
         L = self.layout
         T = x.shape[0]
+        if self.by_rank and weights is None:
+            raise ValueError("weights: combine_order='rank' weights the expert outputs on the expert ranks, so "
+                             "dispatch needs the routing weights")
+        if T == 0:  # any valid device pointers will do: nothing is read
+            x, topk_ids, weights = self.out, self.ids, self._no_weights
+        if weights is None:
+            weights = self._no_weights
+        status = self._no_status if status is None else status
         profile = stamps is not None
         if profile:
             stamps[:, 0] = torch.iinfo(torch.int64).max
@@ -742,8 +902,9 @@ class SymmMemTransport:
         m = self.meta
         tsc = self.token_scales if self.quant else self.tokens
         offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
-                   self.off_t, self.t_phase, self.off_dcnt)
-        args = (x, topk_ids, self.ids, self._bad, self.invalid, T, num_experts, self._buf, self._state, st,
+                   self.off_t, self.t_phase, self.off_w, self.w_phase, self.off_st, self.st_phase, self.off_dcnt)
+        args = (x, topk_ids, weights, status, self.ids, self.invalid_ranks, self.invalid, T, num_experts, self._buf,
+                self._state, st,
                 self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
                 m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets)
         ps = _dispatch_put_split(T, L.experts_per_rank, ng if self.quant else triton.cdiv(L.hidden, 128))
@@ -752,6 +913,7 @@ class SymmMemTransport:
                       NGSP=_next_pow2(triton.cdiv(ng, ps)), QUANT=self.quant,
                       CAPP=_next_pow2(L.capacity), ELP=_next_pow2(L.experts_per_rank),
                       BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)), PUT_SPLIT=ps,
+                      BY_RANK=self.by_rank, SW=STATUS_ROW, SWP=_next_pow2(STATUS_ROW), WP=_next_pow2(L.world_size),
                       PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
         # One program per (token, column share) to put or local expert to receive. With few
         # experts for the grid, the fan-out copy is split over all programs (SPLIT_COPY; a grid
@@ -761,8 +923,8 @@ class SymmMemTransport:
         # Rows per copy step: 16 in an expert's own program (8 there made postprocess slower:
         # docs/lowlatency.md); 8 per unit of the split copy.
         kwargs.update(SPLIT_COPY=split, ROWS=8 if split else 16)
-        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps), DISPATCH_CTAS_PER_SM, units, args,
-                                      kwargs)
+        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps, topk_ids.dtype, weights.dtype),
+                                      DISPATCH_CTAS_PER_SM, units, args, kwargs)
         _dispatch_kernel[(grid,)](*args, **kwargs)
         recv = self._recv_view(self._calls % 2)
         self._calls += 1
@@ -791,8 +953,11 @@ class SymmMemTransport:
     def topk_reduce(self, slot_rows, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
         """The combine recorded by :meth:`combine` in one launch (``_combine_kernel``): send,
-        wait for this step's slot rows, sum them (bitwise ``weighted_slot_sum``)."""
+        wait for this step's rows, sum them (bitwise ``weighted_slot_sum``, or in the rank
+        order ``weighted_rank_sum``)."""
         if slot_rows is not None:  # rows handed in by someone else: the plain torch reduce
+            if self.by_rank:
+                return rank_reduce(slot_rows, topk_ids, self.layout, out_dtype)
             return topk_reduce(slot_rows, topk_ids, topk_weights, out_dtype)
         if self._pending is None:
             raise RuntimeError("topk_reduce(None, ...) needs a combine() before it")
@@ -807,13 +972,13 @@ class SymmMemTransport:
         bh = min(1024, _next_pow2(L.hidden))
         profile = st is not self._no_stamps
         args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
-                *self._peer_args, self.off_c, self.c_phase, self.off_tok, self.tok_phase)
+                *self._peer_args, self.off_c, self.c_phase, self.off_tok, self.tok_phase, self.off_w, self.w_phase)
         bh_put = min(1024, _next_pow2(L.hidden))
         ps = _combine_put_split(L.world_size * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
                                 self.sms * COMBINE_CTAS_PER_SM)
         kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, MP=_next_pow2(L.max_m), H=L.hidden, K=L.topk,
-                      KP=_next_pow2(L.topk), TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh, PUT_SPLIT=ps,
-                      PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
+                      KP=_next_pow2(L.topk), EL=L.experts_per_rank, TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh,
+                      PUT_SPLIT=ps, BY_RANK=self.by_rank, PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
         # Units: (source rank, tokens, column share) to put, then (token, columns) to sum. The
         # peers' token counts are on the device only; size the put part for this rank's T (a
         # peer that sent more is served by the same programs looping further).
