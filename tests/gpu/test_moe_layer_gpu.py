@@ -10,6 +10,9 @@
    are), against the float64 block on the tokens as the wire quantized them; then the whole
    layer (dispatch, fused FP8 experts, combine) captured in one CUDA graph and replayed with new
    tokens and routing written into the same buffers, bitwise equal to eager calls.
+3. Two GPUs: ``moekit bench layer`` at this file's shape (graph-captured and eager variants, the
+   eager all-to-all): every (variant, T) in the record, in its mode, within its bound of the
+   float64 block, with the kernel configs it ran.
 """
 
 from __future__ import annotations
@@ -160,3 +163,49 @@ def test_layer_over_the_lowlatency_fp8_wire():
         assert diff < FP8_DIFF, (rank, diff)
         assert r["graph_mismatches"] == 0, (rank, r["graph_mismatches"])
         print(f"rank {rank}: fused_fp8 calc_diff {diff:.2e}; {GRAPH_STEPS} graph replays bitwise equal to eager")
+
+
+# -- 3. `moekit bench layer` on two GPUs ---------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bench_layer_on_two_gpus(tmp_path):
+    """The benchmark at this file's small shape: every (variant, T) timed in its mode (graphs for
+    the low-latency layer, eager for the all-to-all and @eager), each within its bound of the
+    float64 block, and the kernel configs each ran named in the record."""
+    from moekit.bench.layer import DEFAULT_VARIANTS, LayerBenchConfig, format_layer_bench, run_layer_bench
+    from moekit.bench.report import load_record
+    from moekit.kernels import expert_major_default
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (inherited by the ranks)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    variants = DEFAULT_VARIANTS + ("ll-fp8+fused_fp8+auto@eager", "ll-bf16+fused+static")
+    tokens, iters, warmup = (1, 16), 20, 3
+    record = run_layer_bench(LayerBenchConfig(shape=SHAPE, tokens=tokens, variants=variants, iters=iters,
+                                              warmup=warmup, routings=4), out_dir=str(tmp_path))
+    print(format_layer_bench(record))
+    saved = load_record(record["path"], kind="layer")
+    p, r = saved["params"], saved["results"]
+    assert p["backend"] == "nccl" and p["graph"] is True and p["dtype"] == "bfloat16"
+    assert p["device"] == torch.cuda.get_device_name(0) and saved["environment"]["gpu_count"] >= 2
+    assert [(row["variant"], row["T"]) for row in r["rows"]] == [(v, T) for v in variants for T in tokens]
+    eager = {"alltoall+fused_fp8+static", "ll-fp8+fused_fp8+auto@eager"}
+    assert r["modes"] == {v: "eager" if v in eager else "graph" for v in variants}
+    capacity = 2 * max(tokens)  # the low-latency layer's rows per local expert
+    for row in r["rows"]:
+        assert row["n"] == iters and 0 < row["median_us"] <= row["p95_us"], row
+        assert 0 < row["error"] < row["bound"] and row["ok"], row
+        for rank in ("0", "1"):
+            ids = row["configs"][rank]
+            if row["mode"] == "graph":  # the one config the graph holds
+                assert sum(ids.values()) == 1, row
+            else:
+                assert sum(ids.values()) == iters + warmup, row
+    by = {(row["variant"], row["T"]): row for row in r["rows"]}
+    static = expert_major_default(capacity, True).id
+    assert by["ll-fp8+fused_fp8+static", 16]["configs"]["0"] == {static: 1}
+    assert by["ll-bf16+fused+static", 16]["configs"]["0"] == {expert_major_default(capacity, False).id: 1}
+    assert "inside a CUDA graph" in r["choices"]["ll-fp8+fused_fp8+auto"]
+    assert "per forward" in r["choices"]["ll-fp8+fused_fp8+auto@eager"]
+    if "fallback" in r["choices"]["ll-fp8+fused_fp8+auto"]:  # no model file: the graph holds the default
+        assert by["ll-fp8+fused_fp8+auto", 16]["configs"]["0"] == {static: 1}
+    assert r["checks_passed"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from moekit.commands import check_int
 
 DISPATCHERS = ("alltoall",)  # the dispatchers `bench dispatch` can time (moekit.bench.dispatch.DISPATCHERS)
@@ -57,6 +59,12 @@ def run_ramp(args) -> int:
     return ramp_main(args.extra)
 
 
+def run_layer(args) -> int:
+    from moekit.bench.layer import main_from_args
+
+    return main_from_args(args)
+
+
 # Benchmarks with a parser of their own: the top-level parser hands them the rest of argv.
 PASS_THROUGH = (run_capspill, run_combine_order, run_kernel, run_lowlatency, run_ramp)
 
@@ -91,6 +99,7 @@ def register(sub) -> None:
     bd.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes (default %(default)s)")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=run_dispatch)
+    _register_layer(b, PRESETS)
     bc = b.add_parser("capspill", add_help=False,
                       help="MaxCounts vs Eager vs Cap-and-Spill on the Mixtral trace (options: --help)")
     bc.set_defaults(func=run_capspill)
@@ -106,3 +115,42 @@ def register(sub) -> None:
     br = b.add_parser("ramp", add_help=False,
                       help="RaMP's evaluation: routing-aware choice vs exhaustive, static and default (options: --help)")
     br.set_defaults(func=run_ramp)
+
+
+def _register_layer(b, presets) -> None:
+    """`bench layer`: its defaults are the library's (moekit.bench.layer, imported only to run)."""
+    bl = b.add_parser("layer", help="one MoELayer end to end on several ranks: wire x experts x kernel choice",
+                      description="Time one MoELayer forward (dispatch, experts, combine) on local ranks for each "
+                                  "variant and tokens per rank, each checked once against the float64 block. "
+                                  "On the CPU (gloo, Triton's interpreter, a tiny float32 shape) it checks the "
+                                  "command, not numbers.")
+    bl.add_argument("--shape", default=None, choices=sorted(presets) + ["tiny-layer"], metavar="SHAPE",
+                    help="MoE shape, one of %(choices)s: a preset, or tiny-layer (E=4, top-2, H=N=128) "
+                         "(default: qwen3-30b-a3b on GPUs, tiny-layer on the CPU)")
+    bl.add_argument("--tokens", type=int, nargs="+", default=None,
+                    help="tokens per rank, each >= 1 (default: 1 16 128 on GPUs, 1 4 on the CPU)")
+    bl.add_argument("--world-size", type=int, default=2,
+                    help="local ranks (one GPU each under NCCL), >= 1, dividing the experts (default 2)")
+    bl.add_argument("--variants", nargs="+", default=["ll-fp8+fused_fp8+auto", "ll-fp8+fused_fp8+static",
+                                                      "alltoall+fused_fp8+static"], metavar="VARIANT",
+                    help="what to time, each WIRE+EXPERTS[+CONFIG][@eager]: WIRE ll-fp8 (low-latency layer, FP8 "
+                         "dispatch, bf16 combine), ll-bf16, alltoall (eager all-to-all); EXPERTS torch, fused, "
+                         "fused_fp8; CONFIG auto (RaMP) or static (the kernel's default), for fused experts; "
+                         "@eager: no CUDA graph for this one. The first is the ratios' base (default: "
+                         "ll-fp8+fused_fp8+auto ll-fp8+fused_fp8+static alltoall+fused_fp8+static)")
+    bl.add_argument("--iters", type=int, default=None,
+                    help="timed iterations per point, >= 1 (default: 200 on GPUs, 3 on the CPU)")
+    bl.add_argument("--warmup", type=int, default=None,
+                    help="untimed iterations first, >= 0 (default: 20 on GPUs, 1 on the CPU)")
+    bl.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="capture each variant's forward in a CUDA graph where its dispatcher allows (the eager "
+                         "all-to-all never; it is timed eagerly) (default: on GPUs; the CPU has no graphs)")
+    bl.add_argument("--routings", type=int, default=8,
+                    help="random routings per rank and T, cycled through, >= 1; keep --warmup at least this, so "
+                         "every kernel config auto picks is compiled before the timed loop (default %(default)s)")
+    bl.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and routings, >= 0 "
+                                                        "(default %(default)s)")
+    bl.add_argument("--out-dir", default="benchmarks/results",
+                    help="where the JSON record and the figure go (default %(default)s)")
+    bl.add_argument("--no-record", action="store_true", help="write no record or figure")
+    bl.set_defaults(func=run_layer)
