@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DICE measured on two GPUs (nvidia-h100-x2 or nvidia-h200-x2), one device call of about 4
-# minutes (hard limits per part: tests 120 s, dit-moe-xl 150 s, dit-moe-g 200 s):
+# minutes (hard limits per part: tests 150 s, dit-moe-xl 150 s, dit-moe-g 210 s):
 #   1. the two-GPU DICE tests (tests/gpu/test_dice_gpu.py: the schedules over NCCL against the
 #      simulator, and `moekit dice step` end to end at dit-moe-xl's layer shape, 2 blocks);
 #   2. `moekit dice step` at dit-moe-xl: local batch 4, 8, 16, 32 per GPU, the eager all-to-all
@@ -27,7 +27,7 @@ log="$OUT/log.txt"
   echo "commit ${MOEKIT_GIT_COMMIT:-unknown}"
 
   echo "== 1. two-GPU DICE tests"
-  timeout -k 10 120 python3 -m pytest tests/gpu/test_dice_gpu.py -q -p no:cacheprovider -rs \
+  timeout -k 10 150 python3 -m pytest tests/gpu/test_dice_gpu.py -q -p no:cacheprovider -rs \
     -k "two_gpus or dice_step"
 
   echo "== 2. dit-moe-xl: ms per step of each schedule, both dispatchers, batch 4-32 per GPU; traces"
@@ -36,7 +36,7 @@ log="$OUT/log.txt"
     --steps "$STEPS" --warmup "$WARMUP" --trace "$TRACE" --trace-steps 2 --timeout 120 --out-dir "$OUT/results"
 
   echo "== 3. dit-moe-g: the same, no trace"
-  timeout -k 10 200 python3 -m moekit.cli dice step --world-size 2 --device cuda --models dit-moe-g \
+  timeout -k 10 210 python3 -m moekit.cli dice step --world-size 2 --device cuda --models dit-moe-g \
     --batches 4,8,16,32 --dispatchers alltoall,lowlatency --schedules sync,displaced,interweaved,dice \
     --steps "$STEPS" --warmup "$WARMUP" --timeout 120 --out-dir "$OUT/results"
 
