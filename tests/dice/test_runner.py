@@ -167,3 +167,25 @@ def test_sync_layer_equals_moekits_moe_layer():
     runner.end_step()
     layer = MoELayer(CONFIG.moe_shape, weights[1], renormalize=False)
     torch.testing.assert_close(ours, layer(h), rtol=1e-6, atol=1e-6)
+
+
+def test_prebuilt_local_experts_replace_the_sliced_ones():
+    """A runner given this rank's experts already built computes what it computes from the
+    full weights, and reads neither w13 nor w2 of them (here: stand-ins of the wrong size)."""
+    from moekit.moe.experts import MoEWeights, SwiGLUExperts
+
+    model = tiny_model()
+    weights = model.moe_weights()
+    schedule = preset("dice", STEPS)
+    full = ScheduledMoE(weights, CONFIG.moe_shape, schedule, STEPS)
+    experts = [SwiGLUExperts(w.w13.clone(), w.w2.clone()) for w in weights]  # world size 1: every expert is local
+    stand_ins = [MoEWeights(w.router, w.w13[:, :2].clone(), w.w2[:, :, :1].clone(), w.shared_w13, w.shared_w2)
+                 for w in weights]
+    prebuilt = ScheduledMoE(stand_ins, CONFIG.moe_shape, schedule, STEPS, local_experts=experts)
+    assert prebuilt.experts == experts
+    assert torch.equal(_run(prebuilt, model), _run(full, model))
+    with pytest.raises(ValueError, match="one module per layer"):
+        ScheduledMoE(weights, CONFIG.moe_shape, schedule, STEPS, local_experts=experts[:1])
+    half = SwiGLUExperts(weights[0].w13[:4].clone(), weights[0].w2[:4].clone())
+    with pytest.raises(ValueError, match="this rank's 8 experts"):
+        ScheduledMoE(weights, CONFIG.moe_shape, schedule, STEPS, local_experts=[half] * CONFIG.depth)

@@ -144,3 +144,37 @@ def test_two_gpus_over_nccl_match_the_simulator(name):
     noise, labels = torch.randn(4, 1, 8, 8, generator=g).cuda(), torch.arange(4).cuda()
     sim = StalenessSimulator(model.moe_weights(), model.config.moe_shape, preset(name, steps), steps, world_size=2)
     torch.testing.assert_close(z, sample(model, noise, labels, steps=steps, moe=sim).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dice_step_measures_every_schedule_on_two_gpus(tmp_path, capsys):
+    """`moekit dice step` at dit-moe-xl's layer shape (2 of its blocks), batch 2 per GPU: every
+    schedule over both dispatchers timed on 2 GPUs (NCCL; the low-latency layer's symmetric
+    memory), speedups from the timings, the sync all-to-all share, and a GPU trace."""
+    import json
+
+    from moekit.cli import main
+
+    trace = tmp_path / "trace"
+    assert main(["dice", "step", "--world-size", "2", "--device", "cuda", "--models", "dit-moe-xl", "--depth", "2",
+                 "--batches", "2", "--steps", "3", "--warmup", "2", "--trace", str(trace), "--trace-steps", "1",
+                 "--timeout", "240", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("dice-step-*.json")
+    record = json.loads(path.read_text())
+    assert record["environment"]["gpu_count"] >= 2 and record["params"]["experts"] == "fused"
+    rows = record["results"]["rows"]
+    assert {(r["schedule"], r["dispatcher"]) for r in rows} == {
+        (s, d) for s in ("sync", "displaced", "interweaved", "dice") for d in ("alltoall", "lowlatency")}
+    skipped = [r for r in rows if "skipped" in r]
+    assert not skipped, skipped
+    sync = {r["dispatcher"]: r for r in rows if r["schedule"] == "sync"}
+    for r in rows:
+        assert len(r["step_ms"]) == 3 and min(r["step_ms"]) > 0 and r["peak_gib"] > 0
+        assert r["speedup"] == pytest.approx(sync[r["dispatcher"]]["median_ms"] / r["median_ms"])
+    for s in record["results"]["shares"]:
+        assert 0 < s["a2a_share"] < 1 and s["calls_per_step"] == 2 * 2
+    traces = record["results"]["traces"]
+    assert {(t["schedule"], t["rank"]) for t in traces} == {(s, r) for s in ("sync", "dice") for r in (0, 1)}
+    for t in traces:
+        assert (trace / t["file"]).exists()
+        assert t["overlap"]["kind"] == "gpu" and t["overlap"]["transfer_spans"] > 0, t

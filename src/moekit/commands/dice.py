@@ -1,4 +1,4 @@
-"""`moekit dice sample | quality | bench`: DICE schedules for diffusion MoE models (DiT-MoE)."""
+"""`moekit dice sample | quality | bench | step`: DICE schedules for diffusion MoE models (DiT-MoE)."""
 
 from __future__ import annotations
 
@@ -214,6 +214,70 @@ def run_bench(args) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------- step
+
+
+def _names(text: str, name: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise ValueError(f"--{name} must list at least one name, got {text!r}")
+    return names
+
+
+def run_step(args) -> int:
+    from dataclasses import asdict
+
+    import torch
+
+    from moekit.bench.report import format_table, write_record
+    from moekit.dice.measure import (CPU_DEFAULTS, GPU_DEFAULTS, TAIL, StepSpec, resolve_trace_case, run_measure,
+                                     table_rows)
+
+    device = args.device or ("cuda" if torch.cuda.device_count() >= max(args.world_size, 1) else "cpu")
+    defaults = GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS
+    spec = StepSpec(
+        models=_names(args.models, "models") if args.models is not None else defaults["models"],
+        batches=tuple(_ints(args.batches, "batches")) if args.batches is not None else defaults["batches"],
+        dispatchers=_names(args.dispatchers, "dispatchers"), schedules=_names(args.schedules, "schedules"),
+        steps=args.steps if args.steps is not None else defaults["steps"],
+        warmup=args.warmup if args.warmup is not None else defaults["warmup"],
+        world_size=args.world_size, device=device, dtype=args.dtype or defaults["dtype"],
+        experts=args.experts or defaults["experts"], depth=args.depth, cfg=args.cfg, seed=args.seed,
+        headroom_gib=args.headroom_gib, trace_dir=args.trace, trace_steps=args.trace_steps).check()
+    spec = resolve_trace_case(spec)
+    if not (args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    print(f"dice step: {', '.join(spec.models)} x local batch {', '.join(map(str, spec.batches))} x "
+          f"{', '.join(spec.dispatchers)} x {', '.join(spec.schedules)} on {spec.world_size} rank(s) ({device}, "
+          f"{spec.dtype}, {spec.experts} experts); {spec.warmup} warm-up + {spec.steps} timed steps per run, "
+          f"guidance {spec.cfg:g}", flush=True)
+    results = run_measure(spec, timeout=args.timeout)
+    rows, columns = table_rows(results, spec.schedules)
+    print(f"\nms per denoising step (median over {spec.steps} steps, slowest rank per step), speedup over sync "
+          "(x, same model / batch / dispatcher) and the all-to-all share of a sync step (an instrumented sync run):")
+    print(format_table(rows, columns, ".4g"))
+    skipped = [r for r in results["rows"] + results["shares"] + results["models"] if "skipped" in r]
+    for r in skipped:
+        what = " ".join(str(r[k]) for k in ("model", "batch", "dispatcher", "schedule") if k in r)
+        print(f"skipped {what}: {r['skipped']}")
+    for t in results["traces"]:
+        if "skipped" in t:
+            print(f"trace {t['schedule']} rank {t['rank']}: skipped: {t['skipped']}")
+            continue
+        o = t["overlap"]
+        fraction = "-" if o["overlap_fraction"] is None else f"{100 * o['overlap_fraction']:.1f} %"
+        print(f"trace {t['schedule']} rank {t['rank']}: {t['file']}: transfers {o['transfer_ms']:.2f} ms, "
+              f"{fraction} of it beside compute ({o['kind']})")
+    clock = "CUDA events" if device == "cuda" else "wall clock"
+    params = dict(asdict(spec), timeout=args.timeout, executors=dict(sync="inline", asynchronous="async"),
+                  timing=f"{clock} between steps{' on the sampler stream' if device == 'cuda' else ''}; per step the "
+                         f"slowest rank; each run's first warmup and last {TAIL} steps untimed",
+                  share_timing=f"{clock} around each dispatch and combine call in an instrumented sync run")
+    path = write_record("dice-step", params, results, out_dir=args.out_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------- register
 
 
@@ -277,3 +341,30 @@ def register(sub) -> None:
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
     b.set_defaults(func=run_bench)
+
+    t = dsub.add_parser("step", help="measure ms per denoising step of each schedule on real ranks (2 GPUs: NCCL)")
+    t.add_argument("--models", default=None,
+                   help="comma-separated presets (default: GPU dit-moe-xl,dit-moe-g; CPU digits, a tiny model)")
+    t.add_argument("--depth", type=int, default=None, help="use this many blocks of each model (default: its own)")
+    t.add_argument("--batches", default=None, help="local batch sizes per rank (default: GPU 4,8,16,32; CPU 1,2)")
+    t.add_argument("--dispatchers", default="alltoall,lowlatency", help="from alltoall, lowlatency")
+    t.add_argument("--schedules", default="sync,displaced,interweaved,dice",
+                   help=f"comma-separated, must include sync; from {', '.join(PRESET_NAMES)}")
+    t.add_argument("--steps", type=int, default=None, help="timed denoising steps per run (default: GPU 10, CPU 3)")
+    t.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first, in the same run (default: GPU 2, CPU 1)")
+    t.add_argument("--world-size", type=int, default=2, help="expert-parallel ranks (default 2)")
+    t.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when there is a GPU per rank, else cpu (gloo)")
+    t.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: GPU bf16, CPU fp32)")
+    t.add_argument("--experts", default=None, help="torch or fused (the Triton kernel; default on GPUs)")
+    t.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale (doubles the batch)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise")
+    t.add_argument("--headroom-gib", type=float, default=4.0,
+                   help="GPU memory to keep free when deciding whether a case fits (default 4)")
+    t.add_argument("--trace", default=None, metavar="DIR",
+                   help="also profile one case (first model, batch 8, alltoall, dice and sync) into Chrome traces here")
+    t.add_argument("--trace-steps", type=int, default=3, help="steps the profiler records (default 3)")
+    t.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
+    t.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    t.set_defaults(func=run_step)

@@ -8,6 +8,8 @@
 * :mod:`moekit.dice.executor` — in-order or asynchronous (own thread and CUDA stream) transfers;
 * :mod:`moekit.dice.simulator` — the exact single-process staleness simulator;
 * :mod:`moekit.dice.accounting` — bytes per step, buffer memory, the speedup model;
+* :mod:`moekit.dice.measure` — measured ms per denoising step on real ranks (``moekit dice step``),
+  :mod:`moekit.dice.overlap` — how much of a trace's communication ran beside compute;
 * :mod:`moekit.dice.quality`, :mod:`moekit.dice.train` — the digits recipe and its metrics.
 """
 

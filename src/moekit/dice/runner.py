@@ -125,12 +125,16 @@ class ScheduledMoE:
     :class:`~moekit.dice.executor.AsyncExecutor`. ``experts``: ``"torch"`` (batched
     matmuls), ``"rowwise"`` (batch-invariant, for bitwise checks) or ``"fused"`` (the
     Triton kernel). ``batch_invariant`` also makes the router and shared expert row-wise.
+    ``local_experts``: this rank's experts of every layer, already built (modules called as
+    ``experts(tokens, counts, scales)`` with ``num_experts == E / world_size``); then the
+    ``w13`` / ``w2`` of ``weights`` are not read and ``experts`` is ignored. Timing runs at
+    the release's shapes use it: all E experts of every layer need not fit one device.
     """
 
     def __init__(self, weights: list[MoEWeights], shape: MoEShape, schedule: ScheduleConfig, num_steps: int, *,
                  dispatcher: Dispatcher | Callable[[int, int], Dispatcher] | None = None, executor=None,
                  experts: str = "torch", batch_invariant: bool = False, rank: int | None = None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, local_experts: list | None = None):
         if experts not in EXPERT_KINDS:
             raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {experts!r}")
         if not weights:
@@ -150,8 +154,11 @@ class ScheduledMoE:
         lo = self.rank * E_local
         self.routers = [w.router for w in weights]
         self.shared = [(w.shared_w13, w.shared_w2) for w in weights]
-        self.experts = [_make_experts(experts, w.w13[lo:lo + E_local].clone(), w.w2[lo:lo + E_local].clone())
-                        for w in weights]
+        if local_experts is not None:
+            self.experts = _check_local_experts(local_experts, len(weights), E_local)
+        else:
+            self.experts = [_make_experts(experts, w.w13[lo:lo + E_local].clone(), w.w2[lo:lo + E_local].clone())
+                            for w in weights]
         self.batch_invariant = batch_invariant
         self.executor = executor if executor is not None else InlineExecutor()
         L = len(weights)
@@ -301,6 +308,18 @@ class ScheduledMoE:
 def _is_factory(dispatcher) -> bool:
     """A ``(layer, parity) -> Dispatcher`` callable rather than a Dispatcher."""
     return callable(dispatcher) and not hasattr(dispatcher, "dispatch")
+
+
+def _check_local_experts(local_experts, num_layers: int, experts_per_rank: int) -> list:
+    local_experts = list(local_experts)
+    if len(local_experts) != num_layers:
+        raise ValueError(f"local_experts must list one module per layer ({num_layers}), got {len(local_experts)}")
+    for layer, module in enumerate(local_experts):
+        n = getattr(module, "num_experts", None)
+        if n != experts_per_rank:
+            raise ValueError(f"local_experts[{layer}] must hold this rank's {experts_per_rank} experts, "
+                             f"got num_experts={n!r}")
+    return local_experts
 
 
 def _make_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor):
