@@ -179,13 +179,26 @@ def test_ramp_model_file_prices_the_kernel_where_it_covers_the_shape(monkeypatch
     assert cost is not None and "RaMP" in name and "h100-bfloat16-token-E128-K8-H2048-N768.json" in note
     model, _ = load_model(H100_RAMP / "h100-bfloat16-token-E128-K8-H2048-N768.json")
     rng = np.random.default_rng(0)
-    for m in (1, 16, 256, 1024):
+    for m in (1, 16, 256):
         counts = np.bincount(rng.integers(0, 128, m * 8), minlength=128)
         assert cost(counts, m) == pytest.approx(float(np.nanmin(model.predict(counts, m))) * 1e-6, rel=1e-12)
+    # The profile timed every config up to m = 256 (m = 1024 is partial): no extrapolation past it.
+    assert "m <= 256" in note
+    for m in (257, 1024, 4096):
+        assert cost(np.bincount(rng.integers(0, 128, m * 8), minlength=128), m) is None
     assert cost(np.zeros(64), 4) is None  # another expert count: not covered
     for shape, gpu in ((qwen3, "h200"), (tax_shape("mixtral-8x7b"), "h100")):
         c, _, why = ramp_kernel_cost(shape, gpu)
         assert c is None and "no RaMP model file" in why
+
+
+def test_covered_tokens_is_the_largest_complete_profile_point():
+    from moekit.bench.tax_ramp import covered_tokens
+
+    assert covered_tokens({"m_values": [1, 16, 64, 256, 1024], "incomplete": [{"M": 1024, "reason": "partial"}]}) == 256
+    assert covered_tokens({"m_values": [1, 4096]}) == 4096
+    assert covered_tokens({"m_values": [8], "incomplete": [{"M": 8}]}) == 0
+    assert covered_tokens({}) is None  # a file that does not say: no limit
 
 
 # --------------------------------------------------------------------------- development check (H200 record)

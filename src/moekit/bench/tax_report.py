@@ -66,7 +66,7 @@ def ids_from_counts(counts, top_k: int) -> np.ndarray:
 
 
 def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = None,
-              calibrations: list[Calibration] | None = None) -> list[dict]:
+              calibrations: list[Calibration] | None = None, ramp: bool = True) -> list[dict]:
     """The model side of a saved ``tax-measure`` record, recomputed with other hardware
     numbers (bytes/s, FLOP/s; None keeps the record's), against the measured times.
 
@@ -78,7 +78,9 @@ def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = No
     With ``calibrations``, the calibrated model too (``tau_calibrated``, ``error_calibrated``):
     the one for the record's GPU kind, or the nearest moved to it (``calibration_notes``
     say which). From the timed routing's counts where the record keeps them, else from its
-    summary (mean E_active and padding, as above).
+    summary (mean E_active and padding, as above). With ``ramp=True`` the expert kernel is
+    priced as the GPU run prices it: by a RaMP model file of the record's GPU kind where one
+    covers the shape and the token count (:mod:`moekit.bench.tax_ramp`), else the curve.
     """
     data = load_record(record, kind="tax-measure")
     res = data["results"]
@@ -100,6 +102,14 @@ def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = No
     rows = []
     for name, mres in res["models"].items():
         shape = MoEShape(**mres["shape"])
+        kernel_cost = kernel_name = None
+        if cal is not None and ramp and data["params"].get("ramp", True):
+            from moekit.bench.tax_ramp import ramp_kernel_cost
+            from moekit.tax.gpus import gpu_key
+
+            kernel_cost, kernel_name, _ = ramp_kernel_cost(
+                shape, gpu_key(data["environment"].get("device") or base["name"]),
+                data["params"]["dtype"].removeprefix("torch."))
         for label, rres in mres["routings"].items():
             for p in rres["points"]:
                 m, mod = p["m"], p["model"]
@@ -114,7 +124,8 @@ def recompare(record, hbm_bw: float | None = None, peak_flops: float | None = No
                         from moekit.bench.tax_measure import predict_calibrated
 
                         ids = ids_from_counts(p["expert_counts"], shape.top_k)
-                        cp, _ = predict_calibrated(shape, cal, m, mod["block_size"], bn, ids, elem)
+                        cp, _ = predict_calibrated(shape, cal, m, mod["block_size"], bn, ids, elem,
+                                                   kernel_cost=kernel_cost, kernel_name=kernel_name)
                     else:
                         cp = predict_from_summary(shape, calibration_hardware(cal), m, mod["block_size"],
                                                   mod["e_active"], mod["eta"], elem, calibration=cal, tile_n=bn)

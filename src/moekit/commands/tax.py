@@ -32,7 +32,8 @@ def run(args) -> int:
         for path in files:
             print(f"== {path}")
             file_rows = recompare(path, hbm_bw=args.hbm_bw and args.hbm_bw * 1e9,
-                                  peak_flops=args.peak_tflops and args.peak_tflops * 1e12, calibrations=cals or None)
+                                  peak_flops=args.peak_tflops and args.peak_tflops * 1e12, calibrations=cals or None,
+                                  ramp=not args.no_ramp)
             print(format_recompare(file_rows))
             rows += file_rows
         print()
@@ -112,8 +113,8 @@ def register(sub) -> None:
                    help="--measure: begin no further model after this many seconds, > 0 (the record keeps what was "
                         "measured)")
     x.add_argument("--no-ramp", action="store_true",
-                   help="--measure: price the expert kernel by the calibrated curve even where a RaMP model file "
-                        "covers the shape")
+                   help="--measure, --recompare: price the expert kernel by the calibrated curve even where a RaMP "
+                        "model file covers the shape")
     x.add_argument("--compile-workers", type=int, default=None,
                    help="--measure: processes filling Triton's cache first, >= 0 (default min(16, cores) on a GPU)")
     x.add_argument("--recompare", default=None, metavar="FILE[,FILE]",
