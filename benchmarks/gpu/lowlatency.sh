@@ -7,12 +7,12 @@
 #          vs all_to_all_vdev_2d at 32 experts, byte floor), JSON + PNG + Perfetto traces
 #   orders: the rank combine order and the bounded receive buffers, in one call (not part of `all`):
 #          tests/gpu/test_combine_order_gpu.py (fixed-buffer dispatchers in the rank order captured
-#          in CUDA graphs, the all-to-all's rank order over NCCL, the layer's refusal on CUDA; the
-#          symmetric-memory kernels' rank order and bounded buffers are strict xfails until those
-#          kernels have them), then moekit bench lowlatency --combine-order both --recv-capacity 64
-#          at T = 1..256 (the layer and the all-to-all in both orders; the layer's rank order and
-#          bounded buffer are skipped with the reason in the record until the kernels have them),
-#          then moekit bench dispatch --combine-order both at 128 tokens/rank. About 6 minutes.
+#          in CUDA graphs, the all-to-all's rank order over NCCL, the symmetric-memory kernels' rank
+#          order eager and graph-replayed, the layer's refusal of bounded buffers on CUDA; those are
+#          strict xfails until the kernels have them), then moekit bench lowlatency --combine-order
+#          both --recv-capacity 64 at T = 1..256 (the layer and the all-to-all in both orders; the
+#          bounded buffer is skipped with the reason in the record until the kernels have it), then
+#          moekit bench dispatch --combine-order both at 128 tokens/rank. About 6 minutes.
 # Files under $OUT: log-<mode>.txt, results/*.json, results/*.png, ll_traces/*.json (4).
 set -uo pipefail
 MODE=${1:-all}

@@ -9,16 +9,10 @@ Run now (one GPU, or two with NCCL):
    outputs, computed on the token's own GPU. One GPU (no process group) and two (NCCL).
 2. ``AllToAllDispatcher(combine_order="rank")`` on two GPUs over the adversarial routings of
    the conformance test (tests/ep/cases.py), bf16 and fp32, against ``weighted_rank_sum``.
-3. The low-latency layer on CUDA refuses ``recv_capacity`` with the same ValueError on both
-   ranks (its symmetric-memory kernels do not have bounded receive buffers yet).
-4. ``EPLowLatencyAllToAll(combine_order="rank")`` on two GPUs (the symmetric-memory kernels'
+3. ``EPLowLatencyAllToAll(combine_order="rank")`` on two GPUs (the symmetric-memory kernels'
    rank order), eager over every routing kind and 200 graph replays with new routing, bitwise
    ``weighted_rank_sum`` of the loop reference's slot outputs and equal to a second layer.
-
-Wait for the symmetric-memory kernels (strict xfail: today they fail with the ValueError of
-3, and the marker must go when the kernels have bounded receive buffers):
-
-5. ``EPLowLatencyAllToAll(recv_capacity=1, spill_rows=1)`` (forced overflow) and
+4. ``EPLowLatencyAllToAll(recv_capacity=1, spill_rows=1)`` (forced overflow) and
    ``recv_capacity=4``, eager and graph-replayed, bitwise equal to the worst-case layout.
 """
 
@@ -30,8 +24,9 @@ import pytest
 import torch
 
 from moekit.bench.timing import capture_graph
+from moekit.ep.lowlatency.layout import bits_view
 from moekit.ep import (AllToAllDispatcher, CapAndSpillDispatcher, EPLowLatencyAllToAll, MaxCountsDispatcher,
-                       RankFailedError, current_device, launch, weighted_rank_sum)
+                       current_device, launch, weighted_rank_sum)
 from tests.ep.cases import ADVERSARIAL_CASES, build_case
 from tests.ep.test_capspill import K, NUM_STEPS, T_MAX, capspill_steps, compare, expert_outputs, num_experts
 from tests.gpu.test_capspill_graph import StaticInputs, _round_trip
@@ -40,8 +35,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
-KERNELS_PENDING = ("the symmetric-memory kernels do not have bounded receive buffers yet: the layer refuses "
-                   "recv_capacity on CUDA (remove this marker when they do)")
 
 
 def _setup_env() -> None:
@@ -139,29 +132,7 @@ def test_alltoall_rank_order_on_two_gpus():
         assert failures == [], failures[:10]
 
 
-# -- 3. the low-latency layer refuses what its kernels do not have --------------------------------
-
-
-def _lowlatency_refuses(rank: int, world_size: int) -> list[str]:
-    messages = []
-    for kwargs in (dict(recv_capacity=4),):
-        try:
-            EPLowLatencyAllToAll(8, 256, 4, 16, **kwargs)
-            messages.append("built")
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
-
-
-@needs_two_gpus
-def test_lowlatency_refuses_bounds_on_cuda():
-    _setup_env()
-    results = launch(_lowlatency_refuses, 2, backend="nccl")
-    assert results[0] == results[1]  # the same error on every rank
-    assert "recv_capacity: bounded receive buffers are not implemented" in results[0][0]
-
-
-# -- 4, 5. the symmetric-memory kernels ---------------------------------------------------------------
+# -- 3, 4. the symmetric-memory kernels ---------------------------------------------------------------
 
 LL_M, LL_H, LL_K, LL_E, LL_G = 8, 256, 4, 16, 128
 
@@ -169,31 +140,50 @@ LL_M, LL_H, LL_K, LL_E, LL_G = 8, 256, 4, 16, 128
 def _lowlatency_variant(rank: int, world_size: int, kwargs: dict, graph_steps: int) -> list[str]:
     """Eager steps over every routing kind, then ``graph_steps`` replays of one captured step
     with new routing: each bitwise against the reference (rank order) or the worst-case
-    layout (bounded)."""
+    layout (bounded: its expert-major tokens and scales too, and some step must spill)."""
     from tests.ep.lowlatency.reference import KINDS, expected_combine, fake_expert_outputs, routing_steps
 
     device = current_device()
+    kwargs = dict(kwargs)
+    fp8 = kwargs.pop("online_fp8", False)
     order = kwargs.get("combine_order", "slot")
     layer = EPLowLatencyAllToAll(LL_M, LL_H, LL_K, LL_E, fp8_group_size=LL_G, dtype=torch.bfloat16,
-                                 online_fp8=False, **kwargs)
+                                 online_fp8=fp8, **kwargs)
     full = EPLowLatencyAllToAll(LL_M, LL_H, LL_K, LL_E, fp8_group_size=LL_G, dtype=torch.bfloat16,
-                                online_fp8=False, combine_order=order)
+                                online_fp8=fp8, combine_order=order)
     steps = routing_steps(world_size, 2 * len(KINDS) + graph_steps, max_m=LL_M, num_experts=LL_E, topk=LL_K,
                           hidden=LL_H, seed=3, dtype=torch.bfloat16)
-    bad = []
+    bad, rounds = [], []
+
+    def combine(which, d):
+        out = fake_expert_outputs(d.tokens, d.scales, d.counts, d.meta.src_rank, d.meta.src_token, rank,
+                                  torch.bfloat16, LL_G, use_content=not fp8)
+        return which.combine(out, d)
 
     def run(which, x, ids, w):
-        d = which.dispatch(x, ids, w)
-        out = fake_expert_outputs(d.tokens, d.scales, d.counts, d.meta.src_rank, d.meta.src_token, rank,
-                                  torch.bfloat16, LL_G)
-        return which.combine(out, d)
+        return combine(which, which.dispatch(x, ids, w))
+
+    def same_tokens(d, d_full) -> bool:
+        if not torch.equal(d.counts, d_full.counts):
+            return False
+        for e, c in enumerate(d.counts.tolist()):
+            if not torch.equal(bits_view(d.tokens[e, :c]), bits_view(d_full.tokens[e, :c])):
+                return False
+            if fp8 and not torch.equal(d.scales[e, :c], d_full.scales[e, :c]):
+                return False
+        return True
 
     for i, (kind, xs, ids, ws) in enumerate(steps[:2 * len(KINDS)]):
         args = (xs[rank].to(device), ids[rank].to(device), ws[rank].to(device))
-        y = run(layer, *args).cpu()
-        want = expected_combine(xs, ids, ws, LL_E, rank, fp8=False, group=LL_G, dtype=torch.bfloat16,
-                                combine_order=order)
-        if not torch.equal(y, want) or not torch.equal(y, run(full, *args).cpu()):
+        d, d_full = layer.dispatch(*args), full.dispatch(*args)
+        if "recv_capacity" in kwargs:
+            rounds.append(int(d.handle.state["spill_rounds"]))
+        if not same_tokens(d, d_full):
+            bad.append(f"eager step {i} ({kind}): expert-major tokens differ from the worst-case layout")
+        y, y_full = combine(layer, d).cpu(), combine(full, d_full).cpu()
+        want = expected_combine(xs, ids, ws, LL_E, rank, fp8=fp8, group=LL_G, dtype=torch.bfloat16,
+                                combine_order=order, use_content=not fp8)
+        if not torch.equal(y, want) or not torch.equal(y, y_full):
             bad.append(f"eager step {i} ({kind}): differs")
     x = torch.zeros(LL_M, LL_H, dtype=torch.bfloat16, device=device)
     ids = torch.full((LL_M, LL_K), -1, dtype=torch.int64, device=device)
@@ -212,10 +202,12 @@ def _lowlatency_variant(rank: int, world_size: int, kwargs: dict, graph_steps: i
         padded = [torch.cat([xr, xr.new_zeros(LL_M - xr.shape[0], LL_H)]) for xr in xs]
         padded_ids = [torch.cat([ir, ir.new_full((LL_M - ir.shape[0], LL_K), -1)]) for ir in ids_s]
         padded_w = [torch.cat([wr, wr.new_zeros(LL_M - wr.shape[0], LL_K)]) for wr in ws]
-        want = expected_combine(padded, padded_ids, padded_w, LL_E, rank, fp8=False, group=LL_G,
-                                dtype=torch.bfloat16, combine_order=order)
+        want = expected_combine(padded, padded_ids, padded_w, LL_E, rank, fp8=fp8, group=LL_G,
+                                dtype=torch.bfloat16, combine_order=order, use_content=not fp8)
         if not torch.equal(held["y"].cpu(), want):
             bad.append(f"replay {i} ({kind}): differs")
+    if "recv_capacity" in kwargs and not any(r > 0 for r in rounds):
+        bad.append("no eager step spilled: the spill rounds were not exercised")
     layer.finalize()
     full.finalize()
     return bad
@@ -229,9 +221,10 @@ def test_lowlatency_rank_order_kernels():
 
 
 @needs_two_gpus
-@pytest.mark.xfail(strict=True, raises=RankFailedError, reason=KERNELS_PENDING)
-@pytest.mark.parametrize("bounds", [dict(recv_capacity=1, spill_rows=1), dict(recv_capacity=4)],
-                         ids=["C=1,S=1", "C=4"])
+@pytest.mark.parametrize("bounds", [dict(recv_capacity=1, spill_rows=1), dict(recv_capacity=4),
+                                    dict(recv_capacity=2, spill_rows=3, combine_order="rank"),
+                                    dict(recv_capacity=3, spill_rows=2, online_fp8=True)],
+                         ids=["C=1,S=1", "C=4", "C=2,S=3,rank", "C=3,S=2,fp8"])
 def test_lowlatency_bounded_kernels(bounds):
     _setup_env()
     for failures in launch(_lowlatency_variant, 2, bounds, 200, backend="nccl"):

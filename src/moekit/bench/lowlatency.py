@@ -29,8 +29,7 @@ Combine orders (``--combine-order slot|rank|both``). ``rank`` times the layer an
 all-to-all with ``combine_order="rank"`` (one partial row per (token, rank) comes back;
 series ``lowlatency[rank]``, ``alltoall[rank]``); ``both`` times both orders in the same run.
 ``--recv-capacity C`` adds the layer with a bounded receive buffer (``lowlatency[C=..]``,
-per order); the symmetric-memory kernels do not have it yet, so on GPUs that series is
-skipped with the reason in the record.
+per order): C rows per source, the rest in spill rounds.
 
 Byte floor. The bytes that must cross NVLink for each step's routing (the slowest rank;
 dispatch: one copy per (token, remote rank) of the FP8 payload + scales, plus the routing
@@ -266,13 +265,6 @@ def series_name(method: str, order: str, recv_capacity: int | None = None) -> st
     return method + (f"[{', '.join(tags)}]" if tags else "")
 
 
-def gpu_skip_reason(order: str, recv_capacity: int | None) -> str | None:
-    """Why the layer cannot run this variant on GPUs yet (None: it can)."""
-    if recv_capacity is not None:
-        return "the symmetric-memory kernels do not have bounded receive buffers yet"
-    return None
-
-
 def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer_e: bool) -> dict:
     """lowlatency (E and, for the vdev2d ratio, peer E) and alltoall, every T."""
     device = current_device()
@@ -284,12 +276,7 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
     if "lowlatency" in cfg.methods:
         for order in cfg.orders:
             for capacity in (None, cfg.recv_capacity) if cfg.recv_capacity is not None else (None,):
-                name = series_name("lowlatency", order, capacity)
-                reason = gpu_skip_reason(order, capacity) if on_cuda else None
-                if reason:
-                    out["skipped"][name] = reason
-                else:
-                    layers[name] = (E, order, capacity)
+                layers[series_name("lowlatency", order, capacity)] = (E, order, capacity)
         if run_peer_e:
             layers[f"lowlatency@{cfg.peer_experts}"] = (cfg.peer_experts, "slot", None)
     for T in cfg.tokens:

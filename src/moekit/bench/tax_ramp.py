@@ -28,7 +28,10 @@ def ramp_kernel_cost(shape: MoEShape, gpu: str, dtype: str = "bfloat16"):
     and a line saying what was found; (None, None, note) when there is no usable file."""
     from moekit.ramp.modelfile import find_model, load_model
 
-    path = find_model(shape, gpu, dtype, "token")
+    try:
+        path = find_model(shape, gpu, dtype, "token")
+    except ValueError as exc:  # a precision RaMP has no model files for (float32, say)
+        return None, None, f"no RaMP model for {dtype} ({exc}): grouped-kernel curve"
     if path is None:
         return None, None, f"no RaMP model file for {shape.name} on {gpu} ({dtype}): grouped-kernel curve"
     try:

@@ -29,10 +29,7 @@ the same error on every rank.
 Two options change what crosses the wire (:mod:`moekit.ep.lowlatency.layout`):
 ``combine_order="rank"`` sends one partial row per (token, rank) back instead of one row per
 slot, and ``recv_capacity`` bounds the receive buffer to that many rows per source, the
-rest travelling in spill rounds. The gloo transport implements both, the symmetric-memory
-kernels the rank order; their bounded receive buffers are not written yet, so asking for
-``recv_capacity`` on a CUDA device raises a ValueError when the layer is built, on every
-rank.
+rest travelling in spill rounds. Both transports implement both.
 
 The transport moves the bytes: :class:`~moekit.ep.lowlatency.gloo.GlooTransport` on CPU
 tensors, ``SymmMemTransport`` (``moekit.ep.lowlatency.cuda``, Triton over torch symmetric
@@ -119,7 +116,7 @@ class EPLowLatencyAllToAll:
     :class:`~moekit.ep.PeerError` (None: the process group's timeout, which the GPU
     transport always uses). ``combine_order``: ``"slot"`` (default) or ``"rank"``;
     ``recv_capacity`` / ``spill_rows``: the bounded receive buffer (None: ``max_m`` rows per
-    source, nothing spills), gloo transport only for now (module docstring). In
+    source, nothing spills). In
     the rank order the expert ranks weight the outputs, so ``dispatch`` needs
     ``topk_weights`` and a ``combine(expert_out, topk_ids, topk_weights, meta)`` must pass
     the same weights.
@@ -154,8 +151,6 @@ class EPLowLatencyAllToAll:
                 group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8, combine_order=combine_order,
                 recv_capacity=recv_capacity, spill_rows=spill_rows)
             self.device = _resolve_device(device, group, self.peers.distributed)
-            if self.device.type == "cuda" and transport is None:
-                _check_gpu_transport_options(self.layout)
 
         agree_on_config(self.peers, "EPLowLatencyAllToAll", dict(
             max_m=max_m, hidden=hidden, topk=topk, num_experts=num_experts, world_size=world_size,
@@ -514,14 +509,6 @@ def _device_type(device, group, distributed: bool) -> str:
         return _resolve_device(device, group, distributed).type
     except (ValueError, RuntimeError, AssertionError):
         return repr(device)
-
-
-def _check_gpu_transport_options(layout: LowLatencyLayout) -> None:
-    """The options the symmetric-memory kernels do not implement yet."""
-    if layout.recv_capacity is not None:
-        raise ValueError("recv_capacity: bounded receive buffers are not implemented by the symmetric-memory (GPU) "
-                         "transport yet (its kernels need two GPUs to be written and tested); leave recv_capacity "
-                         "None on CUDA devices, or use CPU tensors (the gloo transport)")
 
 
 def _check_transport_options(layout: LowLatencyLayout, transport) -> None:

@@ -99,8 +99,9 @@ _ALIGN = 256
 TOK_STRIDE = tl.constexpr(32)
 # state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
 # program of each kernel (2, 3) and of the dispatch's put part (4; 5 is unused since the
-# combine signals per token), and the dispatch kernel's grid barrier (6: arrivals, 7: generation)
-_STATE_SIZE = 8
+# combine signals per token), the dispatch kernel's grid barrier (6: arrivals, 7: generation),
+# and the spill rounds of a bounded dispatch: their epoch (8) and tickets (9: put, 10: last)
+_STATE_SIZE = 11
 
 
 def _next_pow2(n: int) -> int:
@@ -234,15 +235,20 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
                 RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HSP: tl.constexpr,
                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                 G: tl.constexpr, NG: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
-                SPLIT: tl.constexpr, w_ptr, OFF_W, W_PHASE, BY_RANK: tl.constexpr):
+                SPLIT: tl.constexpr, w_ptr, OFF_W, W_PHASE, BY_RANK: tl.constexpr,
+                BOUNDED: tl.constexpr, FIRST, ROWS: tl.constexpr, MP: tl.constexpr, ROUTING: tl.constexpr):
     """quant_and_put for units pid, pid + nprog, ... of (token, column share): SPLIT units per
     token, each a contiguous share of its columns (whole groups when quantizing; HSP / NGSP:
     the share's columns / groups, rounded up to a power of two). A unit masks the token's ids
     (those outside [-1, NE) become -1), quantizes its share and stores it once into every rank
     hosting one of the token's experts; share 0 also stores the int32 ids row into
     ``ids_out`` and into every rank, and in the rank combine order (BY_RANK) the float32
-    weights row too (the expert ranks weight the outputs); program 0 stores T. Returns 1 if
-    this program masked an id, else 0."""
+    weights row too (the expert ranks weight the outputs); program 0 stores T (the routing
+    stores only with ROUTING: a spill round sends rows alone). A token's row goes to row
+    (RANK, t) of the destination's region, or, with BOUNDED receive buffers, to row
+    (RANK, j - FIRST) where j is its position in the stream to that rank, and only if
+    FIRST <= j < FIRST + ROWS (the window, or one spill round). Returns 1 if this program
+    masked an id, else 0."""
     ks = tl.arange(0, KP)
     k_ok = ks < K
     if QUANT:
@@ -259,7 +265,7 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
         bad = k_ok & ((raw < -1) | (raw >= NE))
         bad_any = bad_any | bad.to(tl.int32)
         ids = tl.where(bad, -1, raw).to(tl.int32)
-        first = k_ok & (part == 0)
+        first = k_ok & (part == 0) & ROUTING
         tl.store(ids_out_ptr + t * K + ks, ids, mask=first)
         if BY_RANK:
             wts = tl.load(w_ptr + t * K + ks, mask=first, other=0.0).to(tl.float32)
@@ -286,18 +292,35 @@ def _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase,
                 w_dst = _region(base, OFF_W, phase, W_PHASE, tl.float32)
                 tl.store(w_dst + row * K + ks, wts, mask=first)
             hits = tl.sum(((ids >= d * EL) & (ids < (d + 1) * EL)).to(tl.int32), axis=0)
+            x_row = row
+            if BOUNDED:
+                j = _stream_pos(ids_ptr, t, NE, d, K, KP, EL, MP)
+                x_row = (RANK * ROWS + j - FIRST).to(tl.int64)
+                hits = tl.where((j >= FIRST) & (j < FIRST + ROWS), hits, 0)
             if hits > 0:
                 x_dst = _region(base, OFF_X, phase, X_PHASE, payload.dtype)
-                tl.store(x_dst + row * H + offs, payload, mask=x_ok)
+                tl.store(x_dst + x_row * H + offs, payload, mask=x_ok)
                 if QUANT:
                     s_dst = _region(base, OFF_S, phase, S_PHASE, tl.float32)
-                    tl.store(s_dst + row * NG + g, scale, mask=g_ok)
-    if pid == 0:
+                    tl.store(s_dst + x_row * NG + g, scale, mask=g_ok)
+    if pid == 0 and ROUTING:
         for d in tl.static_range(W):
             base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
             t_dst = _region(base, OFF_T, phase, T_PHASE, tl.int32)
             tl.store(t_dst + RANK, T)
     return tl.max(bad_any, 0)
+
+
+@triton.jit
+def _stream_pos(ids_ptr, t, NE, d: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
+                MP: tl.constexpr):
+    """Token t's position in this rank's stream to rank d: how many earlier tokens have an id
+    (valid, in [0, NE)) on d. The receiver numbers the same stream from the ids rows it gets."""
+    tt = tl.arange(0, MP)
+    ks = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + tt[:, None] * K + ks[None, :], mask=(tt < t)[:, None] & (ks < K)[None, :], other=-1)
+    on_d = (ids >= d * EL) & (ids < (d + 1) * EL) & (ids < NE)
+    return tl.sum((tl.sum(on_d.to(tl.int32), axis=1) > 0).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -337,10 +360,19 @@ def _recv_meta(e, own_ptr, phase,
                  num_tokens_ptr, slot_row_ptr,
                  OFF_I, I_PHASE, OFF_T, T_PHASE,
                  RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, CAPP: tl.constexpr):
+                 K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, CAPP: tl.constexpr,
+                 BOUNDED: tl.constexpr, C: tl.constexpr, S: tl.constexpr, copy_from_ptr, stream_pos_ptr,
+                 overflow_ptr, rounds_ptr):
     """postprocess for local expert e (after the wait), before the fan-out: number e's rows
     in (source, token) order with a cumsum over the received ids and write the meta
-    (scattered to the rows' places, padding rows -1), ``counts`` and ``slot_row``."""
+    (scattered to the rows' places, padding rows -1), ``counts`` and ``slot_row``.
+
+    With BOUNDED receive buffers, each of e's rows also gets the receive row it is copied
+    from (``copy_from``: row (s, j) of the window, j the token's position in source s's
+    stream here, or -1 when j >= C and a spill round brings it), and expert 0's program
+    writes every token's stream position (``stream_pos [W, M]``), each source's tokens past
+    the window (``overflow``) and the spill rounds the step needs (``rounds``: from every
+    (source, destination) stream, the same number on every rank)."""
     CAP: tl.constexpr = W * M
     ids_base = _region(own_ptr, OFF_I, phase, I_PHASE, tl.int32)
     t_base = _region(own_ptr, OFF_T, phase, T_PHASE, tl.int32)
@@ -349,6 +381,7 @@ def _recv_meta(e, own_ptr, phase,
     ks = tl.arange(0, KP)
     row0 = e * CAP
     base = 0
+    worst = tl.program_id(0) * 0  # the longest (source, destination) stream of the step (BOUNDED)
     for s in tl.static_range(W):
         n_tok = tl.load(t_base + s)
         live = (tt < n_tok)[:, None] & (ks < K)[None, :]
@@ -365,6 +398,18 @@ def _recv_meta(e, own_ptr, phase,
         tl.store(slot_bits_ptr + dst, bits, mask=has)
         tl.store(src_slot_ptr + dst, first, mask=has)
         tl.store(row_index_ptr + dst, (s * M + tt).to(tl.int64), mask=has)
+        if BOUNDED:
+            here = (tl.sum(((ids >= RANK * EL) & (ids < RANK * EL + EL)).to(tl.int32), axis=1) > 0).to(tl.int32)
+            j = tl.cumsum(here, axis=0) - here  # position of (s, t) in s's stream to this rank
+            tl.store(copy_from_ptr + dst, tl.where(j < C, s * C + j, -1).to(tl.int64), mask=has)
+            if e == 0:
+                tl.store(stream_pos_ptr + s * M + tt, j, mask=tt < M)
+                for d in tl.static_range(W):
+                    n_d = tl.sum((tl.sum(((ids >= d * EL) & (ids < (d + 1) * EL)).to(tl.int32), axis=1) > 0)
+                                 .to(tl.int32), axis=0)
+                    worst = tl.maximum(worst, n_d)
+                    if d == RANK:
+                        tl.store(overflow_ptr + s, tl.maximum(n_d - C, 0).to(tl.int64))
         tl.store(range_ptr + (e * W + s) * 2, n_s)
         tl.store(range_ptr + (e * W + s) * 2 + 1, base)
         # The inverse map for e's slots; expert 0's program also marks every other slot -1.
@@ -379,6 +424,8 @@ def _recv_meta(e, own_ptr, phase,
     if e == 0:
         ss = tl.arange(0, W)
         tl.store(num_tokens_ptr + ss, tl.load(t_base + ss))
+        if BOUNDED:
+            tl.store(rounds_ptr, (tl.maximum(worst - C, 0) + S - 1) // S)
     # Padding rows: -1 (disjoint from the valid rows written above).
     pr = tl.arange(0, CAPP)
     pad = (pr >= count) & (pr < CAP)
@@ -396,7 +443,8 @@ def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, O
                 W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                 QUANT: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
     """The fan-out of rows [r0, r0 + ROWS) of local expert e (of its ``count``): each copied,
-    with its scales, out of the receive buffer, BH columns at a time. What other programs of
+    with its scales, out of the receive buffer, BH columns at a time (``row_index_ptr``: each
+    row's receive row, -1 for none). What other programs of
     the kernel wrote is loaded through L2 (.cg). (Each column block's load waits for the
     previous block's store: the compiler cannot tell they do not alias. Loading the rows
     whole, as one [rows, next_pow2(H)] register tile, helps at small T and loses at large T:
@@ -404,7 +452,8 @@ def _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, O
     rows = r0 + tl.arange(0, ROWS)
     valid = rows < count
     row0 = e * (W * M)
-    src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=0, cache_modifier=".cg")
+    src_row = tl.load(row_index_ptr + row0 + rows, mask=valid, other=-1, cache_modifier=".cg")
+    valid = valid & (src_row >= 0)  # a bounded window's copy skips the rows a spill round brings
     dst_row = (row0 + rows).to(tl.int64)
     x_base = _region(own_ptr, OFF_X, phase, X_PHASE, tok_ptr.dtype.element_ty)
     for h0 in tl.static_range(0, H, BH):
@@ -467,6 +516,8 @@ def _dispatch_kernel(x_ptr, ids_ptr, w_ptr, status_ptr, ids_out_ptr, invalid_ran
                      P0, P1, P2, P3, P4, P5, P6, P7,
                      OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE, OFF_W, W_PHASE, OFF_ST, ST_PHASE,
                      OFF_CNT, BY_RANK: tl.constexpr, SW: tl.constexpr, SWP: tl.constexpr, WP: tl.constexpr,
+                     BOUNDED: tl.constexpr, C: tl.constexpr, S: tl.constexpr, copy_from_ptr, stream_pos_ptr,
+                     overflow_ptr, rounds_ptr,
                      RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
                      HSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr,
                      G: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr,
@@ -487,7 +538,8 @@ def _dispatch_kernel(x_ptr, ids_ptr, w_ptr, status_ptr, ids_out_ptr, invalid_ran
         t0 = globaltimer()
     bad = _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_out_ptr, T, NE, phase, P0, P1, P2, P3, P4, P5, P6, P7,
                       OFF_X, X_PHASE, OFF_S, S_PHASE, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                      RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT, w_ptr, OFF_W, W_PHASE, BY_RANK)
+                      RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT, w_ptr, OFF_W, W_PHASE, BY_RANK,
+                      BOUNDED, 0, C, MP, True)
     _send_status(pid, bad, status_ptr, phase, epoch, OFF_ST, ST_PHASE, P0, P1, P2, P3, P4, P5, P6, P7,
                  RANK, W, SW, SWP)
     if PROFILE:
@@ -508,11 +560,13 @@ def _dispatch_kernel(x_ptr, ids_ptr, w_ptr, status_ptr, ids_out_ptr, invalid_ran
     while e < EL:
         count = _recv_meta(e, own_ptr, phase, counts_ptr, src_rank_ptr, src_token_ptr, src_slot_ptr, slot_bits_ptr,
                            range_ptr, row_index_ptr, num_tokens_ptr, slot_row_ptr, OFF_I, I_PHASE, OFF_T, T_PHASE,
-                           RANK, W, M, MP, K, KP, EL, CAPP)
+                           RANK, W, M, MP, K, KP, EL, CAPP, BOUNDED, C, S, copy_from_ptr, stream_pos_ptr,
+                           overflow_ptr, rounds_ptr)
         if not SPLIT_COPY:  # the expert's program copies its rows (the meta is this CTA's own writes)
             tl.debug_barrier()
             for r0 in range(0, count, ROWS):
-                _copy_block(e, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE,
+                _copy_block(e, r0, count, copy_from_ptr if BOUNDED else row_index_ptr, own_ptr, phase, tok_ptr,
+                            tsc_ptr, OFF_X, X_PHASE,
                             OFF_S, S_PHASE, W, M, H, NG, NGP, QUANT, ROWS, BH)
         e += nprog
     if SPLIT_COPY:
@@ -524,12 +578,78 @@ def _dispatch_kernel(x_ptr, ids_ptr, w_ptr, status_ptr, ids_out_ptr, invalid_ran
         u = pid
         while u < units:
             ue, r0, count = _copy_unit(u, cnts, ELP, ROWS)
-            _copy_block(ue, r0, count, row_index_ptr, own_ptr, phase, tok_ptr, tsc_ptr, OFF_X, X_PHASE,
+            _copy_block(ue, r0, count, copy_from_ptr if BOUNDED else row_index_ptr, own_ptr, phase, tok_ptr,
+                        tsc_ptr, OFF_X, X_PHASE,
                         OFF_S, S_PHASE, W, M, H, NG, NGP, QUANT, ROWS, BH)
             u += nprog
     if PROFILE:
         _stamp_range(stamps_ptr, 3, t3, globaltimer())
     _last_program_advances(state_ptr, epoch, 0, 2, nprog)
+
+
+@triton.jit
+def _copy_spilled(u, first, own_ptr, phase, stream_pos_ptr, num_tokens_ptr, slot_row_ptr, tok_ptr, tsc_ptr,
+                  OFF_SX, SX_PHASE, OFF_SS, SS_PHASE, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
+                  K: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr, QUANT: tl.constexpr,
+                  BH: tl.constexpr):
+    """The fan-out of one spill round for unit u = (source s, token t): if the token's
+    position j in s's stream here is in the round [first, first + S), its row (s, j - first)
+    of the spill region goes to the expert-major row of each of its slots served here
+    (``slot_row``; a repeated expert gets the same row twice, with the same bytes)."""
+    src = u // M
+    t = u % M
+    j = tl.load(stream_pos_ptr + u)
+    if (t < tl.load(num_tokens_ptr + src)) & (j >= first) & (j < first + S):
+        row = (src * S + j - first).to(tl.int64)
+        x_base = _region(own_ptr, OFF_SX, phase, SX_PHASE, tok_ptr.dtype.element_ty)
+        for k in tl.static_range(K):
+            dst = tl.load(slot_row_ptr + u * K + k)
+            if dst >= 0:
+                for h0 in tl.static_range(0, H, BH):
+                    hh = h0 + tl.arange(0, BH)
+                    v = tl.load(x_base + row * H + hh, mask=hh < H, cache_modifier=".cg")
+                    tl.store(tok_ptr + dst * H + hh, v, mask=hh < H)
+                if QUANT:
+                    s_base = _region(own_ptr, OFF_SS, phase, SS_PHASE, tl.float32)
+                    gg = tl.arange(0, NGP)
+                    v = tl.load(s_base + row * NG + gg, mask=gg < NG, cache_modifier=".cg")
+                    tl.store(tsc_ptr + dst * NG + gg, v, mask=gg < NG)
+
+
+@triton.jit(do_not_specialize=["r"])
+def _spill_kernel(r, x_ptr, ids_ptr, T, NE, own_ptr, state_ptr, rounds_ptr, stream_pos_ptr, num_tokens_ptr,
+                  slot_row_ptr, tok_ptr, tsc_ptr, P0, P1, P2, P3, P4, P5, P6, P7,
+                  OFF_SX, SX_PHASE, OFF_SS, SS_PHASE, OFF_SCNT,
+                  RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
+                  HSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, G: tl.constexpr,
+                  NG: tl.constexpr, NGP: tl.constexpr, NGSP: tl.constexpr, QUANT: tl.constexpr, C: tl.constexpr,
+                  S: tl.constexpr, BH: tl.constexpr, PUT_SPLIT: tl.constexpr):
+    """Spill round r of a bounded dispatch, one cooperative launch, after the window's
+    dispatch kernel. The round count (``rounds``) was computed by that kernel from every
+    source's routing rows, the same on every rank, so every rank runs or skips round r alike:
+    a round past the count returns at once, with no signal and no epoch change. A round puts
+    the tokens at stream positions [C + r*S, C + (r + 1)*S) of each destination into its
+    spill region (quantized again, to the same bits), signals and waits like the dispatch
+    (its own epoch and counters), then fans the round's rows out (:func:`_copy_spilled`).
+    The spill region is double-buffered by the round's epoch: a rank can write round n + 1
+    only after every peer sent round n, which each does after fanning out round n - 1."""
+    if r < tl.load(rounds_ptr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        epoch = tl.load(state_ptr + 8)
+        phase = epoch & 1
+        _put_tokens(pid, nprog, x_ptr, ids_ptr, ids_ptr, T, NE, phase, P0, P1, P2, P3, P4, P5, P6, P7,
+                    OFF_SX, SX_PHASE, OFF_SS, SS_PHASE, 0, 0, 0, 0,
+                    RANK, W, M, H, HSP, K, KP, EL, G, NG, NGSP, QUANT, PUT_SPLIT, x_ptr, 0, 0, False,
+                    True, C + r * S, S, MP, False)
+        _signal_arrival(state_ptr, phase, OFF_SCNT, P0, P1, P2, P3, P4, P5, P6, P7, 9, RANK, W, nprog)
+        _wait_all_sources(own_ptr, OFF_SCNT, phase, epoch, W)
+        u = pid
+        while u < W * M:
+            _copy_spilled(u, C + r * S, own_ptr, phase, stream_pos_ptr, num_tokens_ptr, slot_row_ptr, tok_ptr,
+                          tsc_ptr, OFF_SX, SX_PHASE, OFF_SS, SS_PHASE, W, M, H, K, S, NG, NGP, QUANT, BH)
+            u += nprog
+        _last_program_advances(state_ptr, epoch, 8, 10, nprog)
 
 
 @triton.jit
@@ -757,6 +877,7 @@ class SymmMemTransport:
     stamps_layer_phases = True  # the kernels stamp postprocess / topk_reduce themselves
     exchanges_status = True  # dispatch(..., status=) carries every rank's step status
     combine_orders = ("slot", "rank")
+    bounded_receive = True  # layout.recv_capacity < max_m: spill rounds (_spill_kernel)
 
     def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
@@ -777,11 +898,17 @@ class SymmMemTransport:
         self.by_rank = L.combine_order == "rank"
         x_elem = 1 if self.quant else L.dtype.itemsize
         ng = L.num_groups if self.quant else 0
-        # Region sizes of one phase, and the byte offset of each region's phase 0. The combine
-        # region holds K slot rows per token, or in the rank order one partial row per
-        # (token, rank); only the rank order sends weights.
-        self.x_phase = _round_up(W * M * H * x_elem)
-        self.s_phase = _round_up(max(W * M * ng * 4, 1))
+        # Region sizes of one phase, and the byte offset of each region's phase 0. The token
+        # rows hold C = recv_rows per source (max_m unless bounded), and a bounded layout adds
+        # a spill region of S rows per source. The combine region holds K slot rows per token,
+        # or in the rank order one partial row per (token, rank); only the rank order sends
+        # weights.
+        self.bounded = L.bounded
+        C, S = L.recv_rows, max(L.spill_rows_per_round, 1)
+        self.x_phase = _round_up(W * C * H * x_elem)
+        self.s_phase = _round_up(max(W * C * ng * 4, 1))
+        self.sx_phase = _round_up(W * S * H * x_elem if self.bounded else 1)
+        self.ss_phase = _round_up(max(W * S * ng * 4, 1) if self.bounded else 1)
         self.i_phase = _round_up(W * M * K * 4)
         self.t_phase = _round_up(W * 4)
         self.w_phase = _round_up(W * M * K * 4 if self.by_rank else 1)
@@ -797,7 +924,10 @@ class SymmMemTransport:
         self.tok_phase = _round_up(M * TOK_STRIDE.value * 4)
         self.off_dcnt = self.off_c + 2 * self.c_phase
         self.off_tok = self.off_dcnt + _round_up(2 * W * 8)
-        self.nbytes = self.off_tok + 2 * self.tok_phase
+        self.off_sx = self.off_tok + 2 * self.tok_phase
+        self.off_ss = self.off_sx + 2 * self.sx_phase
+        self.off_scnt = self.off_ss + 2 * self.ss_phase
+        self.nbytes = self.off_scnt + _round_up(2 * W * 8)
 
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._buf.zero_()
@@ -829,6 +959,14 @@ class SymmMemTransport:
         self.invalid = torch.zeros((), dtype=torch.bool, device=dev)
         self._no_status = torch.zeros(STATUS_WORDS, dtype=torch.int64, device=dev)  # sent when the layer sends none
         self._no_weights = torch.zeros(M, K, dtype=torch.float32, device=dev)
+        # A bounded dispatch's bookkeeping (written by the dispatch kernel, read by the spill
+        # rounds): each expert row's window row, every received token's stream position, each
+        # source's tokens past the window, and the spill rounds of the step.
+        rows = EL * L.capacity if self.bounded else 1
+        self.copy_from = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.stream_pos = torch.zeros(W * M if self.bounded else 1, dtype=torch.int32, device=dev)
+        self.overflow = torch.zeros(W, dtype=torch.int64, device=dev)
+        self.rounds = torch.zeros(1, dtype=torch.int32, device=dev)
         self._calls = 0
         self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
         self._pending = None  # combine's arguments, until topk_reduce launches the combine kernel
@@ -849,16 +987,18 @@ class SymmMemTransport:
             return self._buf[off: off + nbytes].view(dtype).view(shape)
 
         x_elem = 1 if self.quant else L.dtype.itemsize
-        x = region(self.off_x + phase * self.x_phase, W * M * H * x_elem, L.wire_dtype, (W, M, H))
-        scales = (region(self.off_s + phase * self.s_phase, W * M * L.num_groups * 4, torch.float32,
-                         (W, M, L.num_groups)) if self.quant else None)
+        C = L.recv_rows
+        x = region(self.off_x + phase * self.x_phase, W * C * H * x_elem, L.wire_dtype, (W, C, H))
+        scales = (region(self.off_s + phase * self.s_phase, W * C * L.num_groups * 4, torch.float32,
+                         (W, C, L.num_groups)) if self.quant else None)
         ids = region(self.off_i + phase * self.i_phase, W * M * K * 4, torch.int32, (W, M, K))
         num = region(self.off_t + phase * self.t_phase, W * 4, torch.int32, (W,))
         status = region(self.off_st + phase * self.st_phase, W * STATUS_ROW * 8, torch.int64,
                         (W, STATUS_ROW))[:, :STATUS_WORDS]
         weights = (region(self.off_w + phase * self.w_phase, W * M * K * 4, torch.float32, (W, M, K))
                    if self.by_rank else None)
-        return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num, status=status, weights=weights)
+        bounded = dict(overflow=self.overflow, spill_rounds=self.rounds[0]) if self.bounded else {}
+        return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num, status=status, weights=weights, **bounded)
 
     def _consts(self) -> dict:
         L = self.layout
@@ -914,6 +1054,9 @@ class SymmMemTransport:
                       CAPP=_next_pow2(L.capacity), ELP=_next_pow2(L.experts_per_rank),
                       BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)), PUT_SPLIT=ps,
                       BY_RANK=self.by_rank, SW=STATUS_ROW, SWP=_next_pow2(STATUS_ROW), WP=_next_pow2(L.world_size),
+                      BOUNDED=self.bounded, C=L.recv_rows, S=max(L.spill_rows_per_round, 1),
+                      copy_from_ptr=self.copy_from, stream_pos_ptr=self.stream_pos, overflow_ptr=self.overflow,
+                      rounds_ptr=self.rounds,
                       PROFILE=profile, num_warps=8, launch_cooperative_grid=True, **self._consts())
         # One program per (token, column share) to put or local expert to receive. With few
         # experts for the grid, the fan-out copy is split over all programs (SPLIT_COPY; a grid
@@ -926,10 +1069,39 @@ class SymmMemTransport:
         grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps, topk_ids.dtype, weights.dtype),
                                       DISPATCH_CTAS_PER_SM, units, args, kwargs)
         _dispatch_kernel[(grid,)](*args, **kwargs)
+        if self.bounded:
+            self._spill_rounds(x, topk_ids, T, num_experts, ps)
         recv = self._recv_view(self._calls % 2)
         self._calls += 1
         self.meta.recv = recv
         return recv, self.ids[:T], self.invalid
+
+    def _spill_rounds(self, x: torch.Tensor, topk_ids: torch.Tensor, T: int, num_experts: int, ps: int) -> None:
+        """Launch the spill rounds of a bounded dispatch (``_spill_kernel``): as many as the step
+        needs when the host may read that count (one read; the same on every rank), or the
+        most any step can need inside a CUDA-graph capture, where each round past the step's
+        count returns at once on every rank."""
+        L = self.layout
+        ng = L.num_groups if self.quant else 1
+        tsc = self.token_scales if self.quant else self.tokens
+        S = L.spill_rows_per_round
+        kwargs = dict(MP=_next_pow2(L.max_m), HSP=_next_pow2(triton.cdiv(L.hidden, ps)), KP=_next_pow2(L.topk),
+                      G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng),
+                      NGSP=_next_pow2(triton.cdiv(ng, ps)), QUANT=self.quant, C=L.recv_rows, S=S,
+                      BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)), PUT_SPLIT=ps,
+                      num_warps=8, launch_cooperative_grid=True, **self._consts())
+        args = [0, x, topk_ids, T, num_experts, self._buf, self._state, self.rounds, self.stream_pos,
+                self.meta.num_tokens, self.meta.slot_row, self.tokens, tsc, *self._peer_args,
+                self.off_sx, self.sx_phase, self.off_ss, self.ss_phase, self.off_scnt]
+        units = max(T * ps, L.world_size * L.max_m)
+        # Sized (and compiled) on every call, so that an eager warm-up compiles what a capture
+        # launches later.
+        grid = self._cooperative_grid(_spill_kernel, ("spill", T, ps, topk_ids.dtype), DISPATCH_CTAS_PER_SM, units,
+                                      tuple(args), kwargs)
+        launches = L.max_spill_rounds if torch.cuda.is_current_stream_capturing() else int(self.rounds.item())
+        for r in range(launches):
+            args[0] = r
+            _spill_kernel[(grid,)](*args, **kwargs)
 
     def postprocess(self, recv: RecvBuffers) -> LowLatencyMeta:
         """Built by the dispatch kernel already."""
