@@ -158,13 +158,15 @@ def _mismatch(y, x, ids, w, rank: int, fp8: bool, order: str = "slot") -> torch.
     return (bits_view(y) != bits_view(want)).any().to(torch.int64)
 
 
-def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int, order: str = "slot") -> dict:
+def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int, order: str = "slot",
+            bounds: dict | None = None) -> dict:
     device = current_device()
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     host = random.Random(rank)
     out = {}
     for name, fp8, n in (("eager fp8", True, eager_iters), ("eager bf16", False, eager_iters // 5)):
-        layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=fp8, combine_order=order)
+        layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=fp8, combine_order=order,
+                                     **(bounds or {}))
         bad = torch.zeros((), dtype=torch.int64, device=device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -178,7 +180,8 @@ def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int, orde
         layer.finalize()
 
     # one captured step, replayed with new routing written into the same tensors (tail masked)
-    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=True, combine_order=order)
+    layer = EPLowLatencyAllToAll(S_M, S_H, S_K, S_E, fp8_group_size=S_G, online_fp8=True, combine_order=order,
+                                 **(bounds or {}))
     x_s = torch.zeros(S_M, S_H, dtype=torch.bfloat16, device=device)
     ids_s = torch.full((S_M, S_K), -1, dtype=torch.int64, device=device)
     w_s = torch.zeros(S_M, S_K, device=device)
@@ -211,12 +214,15 @@ def _stress(rank: int, world_size: int, eager_iters: int, graph_iters: int, orde
     return out
 
 
-@pytest.mark.parametrize("order", ["slot", "rank"])
-def test_many_steps_eager_and_graph_replay(capsys, order):
-    """The soak, in each combine order (each against its own contract, bitwise)."""
+@pytest.mark.parametrize("order, bounds", [("slot", None), ("rank", None),
+                                           ("slot", dict(recv_capacity=12, spill_rows=6))],
+                         ids=["slot", "rank", "slot-bounded"])
+def test_many_steps_eager_and_graph_replay(capsys, order, bounds):
+    """The soak, in each combine order (each against its own contract, bitwise), and with a
+    bounded receive buffer (12 of 32 rows per source: random T spills often)."""
     _setup_env()
     t0 = time.perf_counter()
-    results = launch(_stress, 2, STRESS_ITERS, GRAPH_ITERS, order, backend="nccl")
+    results = launch(_stress, 2, STRESS_ITERS, GRAPH_ITERS, order, bounds, backend="nccl")
     with capsys.disabled():
         for rank, r in enumerate(results):
             print(f"\n[lowlatency gpu] {order} order, rank {rank}: " + "; ".join(
