@@ -62,10 +62,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from moekit.bench.report import format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
+from moekit.bench.timing import gather_samples, rank_aligner
 from moekit.shapes import PRESETS, MoEShape, get_shape
 
 WIRES = ("ll-fp8", "ll-bf16", "alltoall")
@@ -308,31 +308,16 @@ def _dispatcher(wire: str, shape: MoEShape, max_m: int, dtype):
                                 dtype=dtype, online_fp8=wire == "ll-fp8")
 
 
-def _aligner(on_cuda: bool):
-    if not on_cuda:
-        return dist.barrier
-    token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-
-    def align() -> None:  # every rank has joined, and this GPU is idle
-        dist.all_reduce(token)
-        torch.cuda.synchronize()
-
-    return align
-
-
 def _slowest_rank(samples: list[float], device) -> list[float]:
     """Per iteration, the slowest rank's µs (every rank passes its own samples)."""
-    mine = torch.tensor(samples, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return torch.stack(gathered).amax(0).cpu().tolist()
+    return gather_samples(samples, None, device.type == "cuda").amax(0).tolist()
 
 
 def _time_steady(run, inputs: _Inputs, iters: int, warmup: int, device, queued: bool) -> list[float]:
     """µs per iteration of ``run`` on this rank, steady state (module docstring)."""
     from moekit.bench.timing import queue_timed
 
-    align = _aligner(device.type == "cuda")
+    align = rank_aligner(None, device.type == "cuda")
     align()
     samples = queue_timed([run], iters=iters, warmup=warmup, device=device, before_each=inputs.next,
                           after_warmup=align, queue_ahead_us=QUEUE_AHEAD_US if queued else 0.0)

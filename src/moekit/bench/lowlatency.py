@@ -59,7 +59,7 @@ import torch.distributed as dist
 from moekit.perfetto import load_trace
 from moekit.bench.report import format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
-from moekit.bench.timing import capture_graph, queue_timed
+from moekit.bench.timing import capture_graph, gather_samples, queue_timed, rank_aligner
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
 from moekit.ep.dispatcher import weighted_slot_sum
 from moekit.ep.lowlatency.buffers import DEFAULT_BETA as DEFAULT_BUFFER_BETA
@@ -172,18 +172,6 @@ class _Bank:
         self.w.copy_(self.w_bank[i % self.w_bank.shape[0]])
 
 
-def _aligner(on_cuda: bool):
-    if not on_cuda:
-        return dist.barrier
-    token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-
-    def align() -> None:  # every rank has joined, and this GPU is idle
-        dist.all_reduce(token)
-        torch.cuda.synchronize()
-
-    return align
-
-
 # On a GPU the timed iterations are queued ahead of the GPU (moekit.bench.timing.queue_timed)
 # behind a sleep of this many µs per iteration: enough for the host to queue a step's
 # launches, the routing copy included, before the GPU reaches them.
@@ -204,7 +192,7 @@ def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> lis
     ~10 µs per launch, more than a small step takes on the GPU, and an event recorded before
     a launch the host has not made yet would time the host. A method that syncs with the host
     inside its call (the eager all-to-all) is timed as before: the sleep only delays it."""
-    align = _aligner(on_cuda)
+    align = rank_aligner(None, on_cuda)
     written = [0]
 
     def next_routing() -> None:
@@ -215,13 +203,9 @@ def _time_calls(fns, bank: _Bank, iters: int, warmup: int, on_cuda: bool) -> lis
     align()
     samples = queue_timed(fns, iters=iters, warmup=warmup, device=device, before_each=next_routing,
                           after_warmup=align, queue_ahead_us=QUEUE_AHEAD_US)
-    per_fn = samples()
-    mine = torch.tensor(per_fn, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    stacked = torch.stack(gathered)  # [rank, fn, iteration]
-    slowest = stacked.amax(0).cpu()
-    total = stacked.sum(1).amax(0).cpu()  # the slowest rank's sum over the fns
+    stacked = gather_samples(samples(), None, on_cuda)  # [rank, fn, iteration]
+    slowest = stacked.amax(0)
+    total = stacked.sum(1).amax(0)  # the slowest rank's sum over the fns
     return [row.tolist() for row in slowest] + [total.tolist()]
 
 

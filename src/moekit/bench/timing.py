@@ -253,7 +253,7 @@ def _uses_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group))
 
 
-def _rank_aligner(group, on_cuda: bool) -> Callable[[], None]:
+def rank_aligner(group, on_cuda: bool) -> Callable[[], None]:
     """A function that returns on each rank only once every rank has reached it."""
     if not on_cuda:
         return lambda: dist.barrier(group=group)
@@ -269,8 +269,9 @@ def _rank_aligner(group, on_cuda: bool) -> Callable[[], None]:
     return align
 
 
-def _gather_samples(samples: list[float], group, on_cuda: bool) -> torch.Tensor:
-    """All-gather every rank's samples into a CPU float64 tensor [world, iters]."""
+def gather_samples(samples: list, group, on_cuda: bool) -> torch.Tensor:
+    """All-gather every rank's samples into a CPU float64 tensor [world, ...] (``samples``:
+    a list of floats, or of equal-length lists)."""
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
     mine = torch.tensor(samples, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -299,7 +300,7 @@ def time_distributed(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("time_distributed needs an initialized torch.distributed process group")
     on_cuda = _uses_nccl(group)
-    align = _rank_aligner(group, on_cuda)
+    align = rank_aligner(group, on_cuda)
     for _ in range(warmup):
         align()
         fn()
@@ -308,7 +309,7 @@ def time_distributed(
         samples = _time_with_events(fn, iters, device, before_each=align)
     else:
         samples = _time_with_host_clock(fn, iters, before_each=align)
-    per_rank = _gather_samples(samples, group, on_cuda)
+    per_rank = gather_samples(samples, group, on_cuda)
     return DistributedTimes(
         max_us=per_rank.max(dim=0).values.tolist(), per_rank_us=per_rank.tolist()
     )
