@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The low-latency EP layer on nvidia-h200-x2: GPU tests and/or the benchmark.
 # Usage (device machine, repo root): MOEKIT_GIT_COMMIT=<sha> bash benchmarks/gpu/lowlatency.sh [tests|bench|all|orders]
-#   tests: tests/gpu/test_lowlatency_gpu.py (correctness, 10,000 eager + 10,000 graph-replayed steps,
-#          traces), about 3 minutes
+#   tests: tests/gpu/test_lowlatency_gpu.py (correctness, 10,000 eager + 10,000 graph-replayed steps in the slot
+#          order, the rank order and with a bounded receive buffer,
+#          traces), about 7 minutes
 #   bench: moekit bench lowlatency (deepseek-v3, 1..256 tokens/rank; the layer vs AllToAllDispatcher
 #          vs all_to_all_vdev_2d at 32 experts, byte floor), JSON + PNG + Perfetto traces
 #   orders: the rank combine order and the bounded receive buffers, in one call (not part of `all`):
 #          tests/gpu/test_combine_order_gpu.py (fixed-buffer dispatchers in the rank order captured
 #          in CUDA graphs, the all-to-all's rank order over NCCL, the symmetric-memory kernels' rank
-#          order eager and graph-replayed, the layer's refusal of bounded buffers on CUDA; those are
-#          strict xfails until the kernels have them), then moekit bench lowlatency --combine-order
-#          both --recv-capacity 64 at T = 1..256 (the layer and the all-to-all in both orders; the
-#          bounded buffer is skipped with the reason in the record until the kernels have it), then
-#          moekit bench dispatch --combine-order both at 128 tokens/rank. About 6 minutes.
+#          order and bounded receive buffers, eager and graph-replayed), then moekit bench lowlatency
+#          --combine-order both --recv-capacity 64 at T = 1..256 (the layer, worst-case and bounded,
+#          and the all-to-all, in both orders), then moekit bench dispatch --combine-order both at
+#          128 tokens/rank. About 6 minutes.
 # Files under $OUT: log-<mode>.txt, results/*.json, results/*.png, ll_traces/*.json (4).
 set -uo pipefail
 MODE=${1:-all}
@@ -24,7 +24,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results" "$OUT/ll_traces"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   if [[ $MODE == tests || $MODE == all ]]; then
     echo "== low-latency GPU tests"
-    timeout 420 python3 -m pytest tests/gpu/test_lowlatency_gpu.py -p no:cacheprovider -rs
+    timeout 570 python3 -m pytest tests/gpu/test_lowlatency_gpu.py -p no:cacheprovider -rs
     echo "tests exit code: $?"
   fi
   if [[ $MODE == bench || $MODE == all ]]; then
