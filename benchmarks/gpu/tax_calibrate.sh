@@ -30,8 +30,7 @@ CALIBRATE_LIMIT=${TAX_CALIBRATE_LIMIT_S:-200}
 SUMMARY_RESERVE=40   # seconds kept for the summary and the tarball
 start=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - start) )); }
-# A RaMP model file of this GPU, where one exists, prices the expert kernel (qwen3 on an H100).
-export MOEKIT_RAMP_MODELS="${MOEKIT_RAMP_MODELS:-$PWD/benchmarks/results/ramp-nvidia-h100}"
+# RaMP model files of this GPU (shipped in src/moekit/ramp/models/, or MOEKIT_RAMP_MODELS) price the expert kernel.
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1

@@ -31,7 +31,6 @@ from moekit.tax.model import tax_shape  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 H200_RECORD = ROOT / "benchmarks/results/tax-nvidia-h200/tax-measure-nvidia-h200-1x-20261122T075647Z.json"
 H200_KERNELS = ROOT / "benchmarks/results/kernel-nvidia-h200/kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz"
-H100_RAMP = ROOT / "benchmarks/results/ramp-nvidia-h100"
 
 
 # --------------------------------------------------------------------------- the fixed set
@@ -171,20 +170,20 @@ def test_cli_calibrate(tmp_path, capsys):
 
 def test_ramp_model_file_prices_the_kernel_where_it_covers_the_shape(monkeypatch):
     from moekit.bench.tax_ramp import ramp_kernel_cost
-    from moekit.ramp.modelfile import load_model
+    from moekit.ramp.modelfile import ENV_DIRS, SHIPPED, load_model
 
-    monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(H100_RAMP))
+    monkeypatch.delenv(ENV_DIRS, raising=False)  # the model file shipped with the package
     qwen3 = tax_shape("qwen3-30b-a3b")
     cost, name, note = ramp_kernel_cost(qwen3, "h100")
     assert cost is not None and "RaMP" in name and "h100-bfloat16-token-E128-K8-H2048-N768.json" in note
-    model, _ = load_model(H100_RAMP / "h100-bfloat16-token-E128-K8-H2048-N768.json")
+    model, _ = load_model(SHIPPED / "h100-bfloat16-token-E128-K8-H2048-N768.json")
     rng = np.random.default_rng(0)
-    for m in (1, 16, 256):
+    for m in (1, 16, 256, 1024):
         counts = np.bincount(rng.integers(0, 128, m * 8), minlength=128)
         assert cost(counts, m) == pytest.approx(float(np.nanmin(model.predict(counts, m))) * 1e-6, rel=1e-12)
-    # The profile timed every config up to m = 256 (m = 1024 is partial): no extrapolation past it.
-    assert "m <= 256" in note
-    for m in (257, 1024, 4096):
+    # The profile timed every config up to m = 1024: no extrapolation past it.
+    assert "m <= 1024" in note
+    for m in (1025, 4096):
         assert cost(np.bincount(rng.integers(0, 128, m * 8), minlength=128), m) is None
     assert cost(np.zeros(64), 4) is None  # another expert count: not covered
     for shape, gpu in ((qwen3, "h200"), (tax_shape("mixtral-8x7b"), "h100")):

@@ -110,3 +110,14 @@ def test_find_model_looks_in_the_environment_first(saved, monkeypatch, tmp_path)
 def test_shipped_models_load():
     for path in sorted(mf.SHIPPED.glob("*.json")):
         mf.load_model(path)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "olmoe-1b-7b"])
+def test_shipped_h100_bf16_models_are_found_for_their_presets(name, monkeypatch):
+    from moekit.shapes import get_shape
+
+    monkeypatch.delenv(mf.ENV_DIRS, raising=False)
+    path = mf.find_model(get_shape(name), "h100", "bf16")
+    assert path is not None and path.parent == mf.SHIPPED
+    model, meta = mf.load_model(path, shape=get_shape(name), gpu="h100", dtype="bf16", family="token")
+    assert meta["profile"]["complete_m"] == meta["profile"]["m_values"]  # only complete profiles ship
