@@ -57,6 +57,29 @@ def test_show_and_offline_evaluation(tmp_path, capsys):
     assert (tmp_path / "out").glob("ramp-eval-*.png")
 
 
+def test_offline_evaluation_leaves_out_points_a_deadline_cut_short(tmp_path, capsys):
+    from moekit.bench.ramp import evaluate
+
+    shape = MoEShape("cli-cut", num_experts=8, top_k=2, hidden=256, intermediate=128)
+    rng = np.random.default_rng(2)
+    truth = synthetic_model(shape, config_space(shape)[::25], rng)
+    pts = grid(shape, rng, Ms=(2, 30, 300))
+    for p in pts:
+        p.label = "eval"
+    t = timings_from_model(truth, pts, noise=0.01, rng=rng)
+    cut = [j for j, p in enumerate(pts) if p.M == 300]
+    t.times[np.ix_(cut, range(3, len(t.configs)))] = float("nan")
+    ev = evaluate(truth, t, device_choices=None)
+    full = [j for j in range(len(pts)) if j not in cut]
+    want = [t.times[j, truth.choose(pts[j].counts, pts[j].M)] / np.nanmin(t.times[j]) - 1 for j in full]
+    assert ev["complete_points"] == len(full) and ev["partial_token_counts"] == [300]
+    assert ev["regret_mean"] == pytest.approx(np.mean(want)) and ev["regret_max"] == pytest.approx(np.max(want))
+    assert all(np.isnan(r["regret"]) and not r["complete"] for r in ev["points"] if r["M"] == 300)
+    t.times[:, 5:] = float("nan")
+    with pytest.raises(ValueError, match="no evaluation point has every configuration timed"):
+        evaluate(truth, t)
+
+
 def test_fit_reports_partial_points_and_held_out_regret(tmp_path, capsys):
     shape = MoEShape("cli-fit", num_experts=8, top_k=2, hidden=256, intermediate=128)
     rng = np.random.default_rng(1)
