@@ -68,12 +68,16 @@ def run_check(args) -> int:
                 print(f"   {form:38s} held-out mean {r['mean'] * 100:6.2f} % max {r['max'] * 100:6.1f} %  "
                       f"(fit points: {r['fit_mean'] * 100:.2f} / {r['fit_max'] * 100:.1f} %)")
     if args.out:
-        from moekit.bench.report import to_jsonable
-
-        with open(args.out, "w") as f:
-            json.dump(to_jsonable(report), f, indent=1)
-        print(f"written: {args.out}")
+        _write_report(report, args.out)
     return 0
+
+
+def _write_report(report: dict, path: str) -> None:
+    from moekit.bench.report import to_jsonable
+
+    with open(path, "w") as f:
+        json.dump(to_jsonable(report), f, indent=1)
+    print(f"written: {path}")
 
 
 def run_fit(args) -> int:
@@ -121,11 +125,7 @@ def run_fit(args) -> int:
                 print(f"   {by} = {g:>6s} held out: mean {row['mean'] * 100:6.2f} %, max {row['max'] * 100:6.1f} % "
                       f"({row['points']} points){note}")
         if args.report:
-            from moekit.bench.report import to_jsonable
-
-            with open(args.report, "w") as f:
-                json.dump(to_jsonable(report), f, indent=1)
-            print(f"written: {args.report}")
+            _write_report(report, args.report)
     return 0
 
 
