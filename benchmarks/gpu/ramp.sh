@@ -27,7 +27,8 @@
 #     shapes (mixtral-8x7b's M = 2048 group about twice qwen3's). What it did not reach, the
 #     next profile call times (--resume).
 #   eval call (a fresh machine compiles again): compile ~85 s + loading ~65 s + 5 token counts
-#     x 6 routings (4, 32, 128, 512, 4096; betas 1.0 .. 0.45 + Zipf 1.2) ~150 s + the selector
+#     x 6 routings (4, 32, 128, 512, 4096; betas 1.0 .. 0.45 + Zipf 1.2; olmoe-1b-7b adds 10
+#     recorded calls of benchmarks/traces/, about a third more timing) ~150 s + the selector
 #     10 s + the CUDA-graph section 40 s + one fallback shape 45 s = ~400 s; deadline
 #     RAMP_DEADLINE_S = 520 s (its timing stops early enough for the later sections, which are
 #     skipped, and listed, when even that is gone). The profiled token counts 16 and 256 at new
@@ -80,9 +81,12 @@ print(" ".join(str(m) for m in sorted({p.M for p in t.points} - done)))' "$timin
     fallback=()
     # Large-expert shapes outside the presets (where default_config is weakest at M = 128).
     [ "$family" = token ] && fallback=(--fallback-shape 8,2,6144,16384 --fallback-m 16 128)
+    # Recorded routing (the OLMoE-architecture LM's prefill and decode traces: top-8 of 64 experts).
+    traces=()
+    [ "$shape" = olmoe-1b-7b ] && traces=(--trace benchmarks/traces/olmoe-stdlib.npz benchmarks/traces/olmoe-stdlib.decode.npz)
     python3 -m moekit.cli bench ramp --shape "$shape" --dtype "$dtype" --family "$family" --model "$model" \
         --profile-timings "$timings" --eval-m 4 32 128 512 4096 --deadline-s "${RAMP_DEADLINE_S:-520}" \
-        --out-dir "$OUT" "${fallback[@]}" "$@"
+        --out-dir "$OUT" "${fallback[@]}" "${traces[@]}" "$@"
   fi
 } 2>&1 | tee "$OUT/log-$stage.txt"
 exit "${PIPESTATUS[0]}"

@@ -38,6 +38,26 @@ def test_routing_is_cut_to_the_shard():
     assert z.counts.sum() == 80
 
 
+def test_recorded_routing_is_used_as_given_and_cut_to_the_shard():
+    shape = MoEShape("shard", num_experts=4, top_k=2, hidden=64, intermediate=32)
+    rng = np.random.default_rng(7)
+    ids = np.stack([rng.choice(16, 2, replace=False) for _ in range(12)])
+    w = rng.random((12, 2)).astype(np.float32)
+    r = pf.make_routing(shape, 16, pf.PointSpec(12, None, None, 0, "trace", ids=ids, weights=w))
+    local = ids < 4
+    assert torch.equal(r.ids, torch.from_numpy(np.where(local, ids, -1)))
+    assert torch.equal(r.weights, torch.from_numpy(np.where(local, w, 0)))
+    assert r.counts.tolist() == np.bincount(ids[local], minlength=4).tolist()
+    u = pf.make_routing(shape, 16, pf.PointSpec(12, None, None, 0, "trace", ids=ids))
+    assert torch.equal(u.weights, torch.where(u.ids >= 0, 0.5, 0.0))  # no weights recorded: 1 / K each
+    with pytest.raises(ValueError, match=r"must be \[M=5, K\]"):
+        pf.PointSpec(5, None, None, 0, "trace", ids=ids)
+    with pytest.raises(ValueError, match="weights must come with its ids"):
+        pf.PointSpec(12, None, None, 0, "trace", ids=ids, weights=w[:, :1])
+    with pytest.raises(ValueError, match="the shape routes top-2 over 8 experts"):
+        pf.make_routing(shape, 8, pf.PointSpec(12, None, None, 0, "trace", ids=ids))
+
+
 def test_spec_validation():
     with pytest.raises(ValueError, match="family"):
         pf.ProfileSpec(shape="olmoe-1b-7b", family="x")

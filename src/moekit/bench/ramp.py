@@ -73,6 +73,37 @@ def eval_points(m_values=EVAL_M, betas=EVAL_BETAS, zipf=EVAL_ZIPF, seed: int = 0
     return pts
 
 
+def trace_points(path: str, routed: int, top_k: int, m_values=EVAL_M, samples: int = 2) -> list[PointSpec]:
+    """Points routed as recorded: the first M fully routed rows of ``samples`` (step, layer)
+    calls of a :class:`moekit.routing.RoutingTrace` file, at every token count of ``m_values``
+    that one call holds. The trace must route top-``top_k`` over ``routed`` experts (the shape's
+    router). Labelled ``trace:<file stem>``."""
+    from moekit.routing.trace import RoutingTrace
+
+    if samples < 1:
+        raise ValueError(f"trace samples must be >= 1, got {samples}")
+    trace = RoutingTrace.load(path)
+    if trace.num_experts != routed or trace.top_k != top_k:
+        raise ValueError(f"{path}: the trace routes top-{trace.top_k} over {trace.num_experts} experts; this shape's "
+                         f"router picks top-{top_k} of {routed}")
+    label = f"trace:{Path(path).name.removesuffix('.npz')}"
+    steps, layers = trace.num_steps, trace.num_layers
+    pts = []
+    for k in range(samples):
+        step, layer = (k * steps) // samples, (3 * k + 1) % layers  # spread over the steps and layers
+        ids = trace.topk_ids[step, layer]
+        rows = np.flatnonzero((ids >= 0).all(axis=1))
+        w = trace.topk_weights[step, layer] if trace.topk_weights is not None else None
+        for M in m_values:
+            if M <= len(rows):
+                take = rows[:M]
+                pts.append(PointSpec(M, None, None, step * layers + layer, label, ids=ids[take].astype(np.int64),
+                                     weights=None if w is None else w[take].astype(np.float32)))
+    if not pts:
+        raise ValueError(f"{path}: no call holds {min(m_values)} fully routed rows")
+    return pts
+
+
 def _finite(values) -> np.ndarray:
     a = np.asarray(values, dtype=np.float64)
     return a[np.isfinite(a)]
@@ -437,6 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=None, help="stop starting work after this many seconds")
     p.add_argument("--profile-deadline-s", type=float, default=None)
+    p.add_argument("--trace", nargs="*", default=[], metavar="FILE",
+                   help="routing traces (moekit trace record) whose recorded calls are evaluation points too; "
+                        "they must route over the shape's experts")
+    p.add_argument("--trace-samples", type=int, default=2, help="recorded calls per trace")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph section")
     p.add_argument("--graph-m", type=int, nargs="*", default=list(GRAPH_M))
     p.add_argument("--fallback-shape", nargs="*", default=[], metavar="E,K,H,N",
@@ -523,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         if c not in configs and (args.family == "token" or (c.form == "two_launch" and c.split_k == 1)):
             configs.append(c)
     points = eval_points(tuple(args.eval_m), tuple(args.betas), tuple(args.zipf), args.seed)
+    for path in args.trace:
+        points += trace_points(path, routed, shape.top_k, tuple(args.eval_m), args.trace_samples)
     log(f"moekit bench ramp: {shape.name} {dtype} {args.family}: {len(configs)} configs x {len(points)} held-out points")
     run = timer.run(configs, points, compile_first=not args.profile and timer.on_gpu)
     t_eval = run.timings

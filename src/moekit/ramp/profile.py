@@ -93,13 +93,23 @@ def resolve_shape(name: str | None = None, *, experts: int | None = None, top_k:
 
 @dataclass(frozen=True)
 class PointSpec:
-    """How to route one point: M tokens at target ``beta``, or with Zipf exponent ``zipf``."""
+    """How to route one point: M tokens at target ``beta``, or with Zipf exponent ``zipf``, or
+    as recorded: ``ids`` [M, K] over the routed experts (a routing trace's rows; ``weights``
+    [M, K] float32, else 1 / K each; ``beta`` and ``zipf`` None)."""
 
     M: int
     beta: float | None = 1.0
     zipf: float | None = None
     seed: int = 0
     label: str = "grid"
+    ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+    weights: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.ids is not None and (self.ids.ndim != 2 or self.ids.shape[0] != self.M):
+            raise ValueError(f"a recorded point's ids must be [M={self.M}, K], got {tuple(self.ids.shape)}")
+        if self.weights is not None and (self.ids is None or self.weights.shape != self.ids.shape):
+            raise ValueError("a recorded point's weights must come with its ids, of the same shape")
 
 
 def grid_points(m_values=DEFAULT_M, betas=DEFAULT_BETAS, seed: int = 0, label: str = "grid") -> list[PointSpec]:
@@ -116,7 +126,14 @@ class Routing:
 
 def make_routing(shape: MoEShape, routed: int, p: PointSpec) -> Routing:
     """The routing of point ``p`` over all ``routed`` experts, cut to the shard's [0, E)."""
-    if p.zipf is not None:
+    if p.ids is not None:
+        if p.ids.shape[1] != shape.top_k or p.ids.min() < 0 or p.ids.max() >= routed:
+            raise ValueError(f"a recorded point routes top-{p.ids.shape[1]} over ids in [{p.ids.min()}, "
+                             f"{p.ids.max()}]; the shape routes top-{shape.top_k} over {routed} experts")
+        ids = torch.from_numpy(np.ascontiguousarray(p.ids, dtype=np.int64))
+        w = torch.from_numpy(np.ascontiguousarray(p.weights, dtype=np.float32)) if p.weights is not None else \
+            torch.full(ids.shape, 1.0 / shape.top_k, dtype=torch.float32)
+    elif p.zipf is not None:
         ids, w = synthetic_routing(p.M, routed, shape.top_k, zipf=p.zipf, seed=p.seed)
     else:
         ids, w = synthetic_routing(p.M, routed, shape.top_k, beta=p.beta, seed=p.seed)
