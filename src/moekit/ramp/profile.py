@@ -602,8 +602,9 @@ def estimate_seconds(shape: MoEShape, n_configs: int, points: list[PointSpec], f
                      iters: int, warmup: int, compile_workers: int = 16) -> float:
     """A rough run time: compile (~1.5 s per kernel on one core, three kernels per config),
     loading the binaries in the timing process (~0.2 s per config), graph capture (~20 ms per
-    config and token count) and the timed replays (flush ~60 µs + the call, the call from the
-    kernel roofline times 2.5)."""
+    config and token count), the timed replays (flush ~60 µs + the call, the call from the
+    kernel roofline times 2.5) and ~3 s per point for its routing and checks (an H100's
+    olmoe-1b-7b profile: 300 s measured, 309 s estimated)."""
     if not on_gpu:
         return len(points) * n_configs * (iters + 1) * 0.2
     Ms = sorted({p.M for p in points})
@@ -616,7 +617,7 @@ def estimate_seconds(shape: MoEShape, n_configs: int, points: list[PointSpec], f
         call_us = 20 + 2.5 * max(touched * 3 * shape.hidden * shape.intermediate * 2 / 4.3e6,
                                  6 * p.M * shape.top_k * shape.hidden * shape.intermediate / 790e6)
         replay_s += n_configs * (iters + warmup + 1) * (80 + call_us) * 1e-6
-    return compile_s + load_s + capture_s + replay_s + 10 * len(points)
+    return compile_s + load_s + capture_s + replay_s + 3 * len(points)
 
 
 def prune_configs(t: Timings, factor: float) -> list[int]:
