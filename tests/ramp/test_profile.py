@@ -147,3 +147,42 @@ def test_prune_keeps_every_config_near_a_best():
     t = Timings(shape, 4, "bfloat16", cfgs, [Point(1, 1, 1, np.ones(4, int)), Point(2, 1, 1, np.ones(4, int))], times)
     assert pf.prune_configs(t, 1.1) == [0, 1]
     assert pf.prune_configs(t, 1.2) == [0, 1, 2]
+
+
+def test_shortlist_keeps_the_configs_near_a_best_and_those_never_measured():
+    from moekit.ramp.dataset import Point, Timings
+    from moekit.kernels.configs import KernelConfig
+
+    shape = MoEShape("p", 4, 2, 64, 32)
+    cfgs = [KernelConfig(bm=b) for b in (16, 32, 64, 128)]
+    times = np.array([[10, 11, 30, np.nan], [20, 12, 14, np.nan]], dtype=float)
+    ref = Timings(shape, 4, "bfloat16", cfgs, [Point(1, 1, 1, np.ones(4, int)), Point(2, 1, 1, np.ones(4, int))],
+                  times)
+    space = cfgs + [KernelConfig(bm=64, bn=64)]
+    # bm=128 was never measured there and bm=64 bn=64 is not in it: both are timed, not dropped.
+    assert pf.shortlist_configs(space, ref, 1.1) == [cfgs[0], cfgs[1], cfgs[3], space[4]]
+    assert pf.shortlist_configs(space, ref, 1.2) == space
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        pf.shortlist_configs(space, ref, 1.0)
+    with pytest.raises(ValueError, match="shortlist_factor"):
+        pf.ProfileSpec(shape="olmoe-1b-7b", shortlist_factor=0.5)
+
+
+def test_profile_times_only_the_shortlist_of_an_earlier_measurement(tmp_path):
+    pytest.importorskip("triton")
+    spec = dict(experts=4, top_k=2, hidden=64, intermediate=32, m_values=(1, 12), betas=(1.0, 0.5), iters=1,
+                config_stride=25)
+    first = pf.profile(pf.ProfileSpec(**spec), tmp_path / "a", log=lambda s: None)
+    ref, _ = pf.load_timings(first["timings_file"])
+    want = pf.shortlist_configs(ref.configs, ref, 1.05)
+    assert 0 < len(want) < len(ref.configs)
+    lines = []
+    rec = pf.profile(pf.ProfileSpec(**spec, shortlist=first["timings_file"], shortlist_factor=1.05), tmp_path / "b",
+                     log=lines.append)
+    t, _ = pf.load_timings(rec["timings_file"])
+    assert t.configs == want and np.isfinite(t.times).all()
+    assert any(f"shortlist: {len(want)} of {len(ref.configs)} configs" in line for line in lines)
+    assert rec["profile"]["space_configs"] == len(ref.configs) and rec["profile"]["timed_configs"] == len(want)
+    with pytest.raises(ValueError, match="another shape, dtype or family"):
+        pf.profile(pf.ProfileSpec(**(spec | {"hidden": 128}), shortlist=first["timings_file"]), tmp_path / "c",
+                   log=lambda s: None)

@@ -81,22 +81,14 @@ def _write_report(report: dict, path: str) -> None:
 
 
 def run_fit(args) -> int:
-    from moekit.bench.kernel_report import load_table
     from moekit.ramp.costmodel import ModelForm, fit, regret
-    from moekit.ramp.dataset import from_kernel_table
     from moekit.ramp.modelfile import model_filename, save_model
-    from moekit.ramp.profile import load_timings
+    from moekit.ramp.profile import load_any_timings
     from moekit.ramp.regions import HARDWARE
 
     hw = HARDWARE[args.gpu]
-    if args.timings.endswith(".json.gz") and "timings" in args.timings:
-        t, meta = load_timings(args.timings)
-        family, capacity = meta["family"], meta["capacity"]
-    else:
-        if not args.shape:
-            raise ValueError("--shape is needed with a moekit bench kernel table")
-        t = from_kernel_table(load_table(args.timings), args.shape, args.timings)
-        family, capacity = "token", None
+    t, meta = load_any_timings(args.timings, args.shape)
+    family, capacity = meta["family"], meta["capacity"]
     if args.fit_m:
         t = t.select_points(lambda p: p.M in set(args.fit_m))
     model = fit(t, hw, ModelForm(), family=family, capacity=capacity)
@@ -139,7 +131,8 @@ def run_profile(args) -> int:
                        intermediate=inter, routed_experts=args.routed_experts, dtype=args.dtype,
                        family=args.family, capacity=args.capacity, m_values=tuple(args.m), betas=tuple(args.betas),
                        iters=args.iters, seed=args.seed, compile_workers=args.compile_workers,
-                       deadline_s=args.deadline_s, prune=args.prune, config_stride=args.config_stride,
+                       deadline_s=args.deadline_s, prune=args.prune, shortlist=args.shortlist,
+                       shortlist_factor=args.shortlist_factor, config_stride=args.config_stride,
                        config_offset=args.config_offset, resume=args.resume)
     profile(spec, args.out_dir, lambda s: print(s, flush=True))
     return 0
@@ -206,6 +199,10 @@ def register(sub) -> None:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no config after this many seconds (what was timed is saved: --resume goes on)")
     p.add_argument("--prune", type=float, default=None, help="keep configs within this factor of some point's best")
+    p.add_argument("--shortlist", default=None, metavar="TIMINGS",
+                   help="time only the configs within --shortlist-factor of some point's best in these timings "
+                        "(the same shape measured elsewhere: a profile timings file or a bench kernel table)")
+    p.add_argument("--shortlist-factor", type=float, default=1.10, help="see --shortlist (default 1.10)")
     p.add_argument("--config-stride", type=int, default=1, help="time every n-th config (to split a profile over calls)")
     p.add_argument("--config-offset", type=int, default=0, help="... starting at this one")
     p.add_argument("--resume", default=None, metavar="TIMINGS",

@@ -627,6 +627,31 @@ def estimate_seconds(shape: MoEShape, n_configs: int, points: list[PointSpec], f
     return compile_s + load_s + capture_s + replay_s + 3 * len(points)
 
 
+def load_any_timings(path: str | Path, shape_name: str | None = None) -> tuple[Timings, dict]:
+    """Timings from a ``moekit ramp profile`` timings file, or from a ``moekit bench kernel``
+    table (``-table.json.gz``; ``shape_name`` picks its shape): (timings, family metadata)."""
+    from moekit.bench.kernel_report import load_table
+    from moekit.ramp.dataset import from_kernel_table
+
+    path = str(path)
+    if path.endswith(".json.gz") and "timings" in Path(path).name:
+        return load_timings(path)
+    if not shape_name:
+        raise ValueError(f"{path}: a moekit bench kernel table needs a shape name")
+    return from_kernel_table(load_table(path), shape_name, path), {"family": "token", "capacity": None, "params": {}}
+
+
+def shortlist_configs(configs: list[KernelConfig], reference: Timings, factor: float) -> list[KernelConfig]:
+    """The configs that came within ``factor`` of some point's best in ``reference`` (the same
+    shape measured elsewhere, e.g. on another GPU), plus those ``reference`` did not measure:
+    a profile that times only these skips what never came near the best there."""
+    if not factor > 1:
+        raise ValueError(f"the shortlist factor must be > 1, got {factor}")
+    near = {reference.configs[i] for i in prune_configs(reference, factor)}
+    measured = {c for j, c in enumerate(reference.configs) if np.isfinite(reference.times[:, j]).any()}
+    return [c for c in configs if c in near or c not in measured]
+
+
 def prune_configs(t: Timings, factor: float) -> list[int]:
     """Indices of the configs within ``factor`` of the best at some point (the rest never came near)."""
     best = t.best()
@@ -655,6 +680,8 @@ class ProfileSpec:
     compile_workers: int | None = None
     deadline_s: float | None = None
     prune: float | None = None  # keep in the model only configs within this factor of a point's best
+    shortlist: str | None = None  # time only the configs near the best in these timings (same shape)
+    shortlist_factor: float = 1.10
     form: dict | None = None  # a ModelForm's fields; None: the default form
     config_stride: int = 1  # profile every n-th config of the space (CPU tests; splitting a space)
     config_offset: int = 0
@@ -677,6 +704,8 @@ class ProfileSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prune is not None and not self.prune > 1:
             raise ValueError(f"prune must be a factor > 1, got {self.prune}")
+        if not self.shortlist_factor > 1:
+            raise ValueError(f"shortlist_factor must be > 1, got {self.shortlist_factor}")
 
 
 def _resumed(spec: ProfileSpec, shape: MoEShape, routed: int, configs: list[KernelConfig],
@@ -726,6 +755,17 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
     configs = configs[spec.config_offset::spec.config_stride]
     if not configs:
         raise ValueError(f"config_offset={spec.config_offset} leaves no config of the {spec.family} space")
+    space = len(configs)
+    if spec.shortlist:
+        ref, ref_meta = load_any_timings(spec.shortlist, shape.name)
+        if (ref.shape.num_experts, ref.shape.top_k, ref.shape.hidden, ref.shape.intermediate) != \
+                (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate) or ref.dtype != spec.dtype \
+                or ref_meta["family"] != spec.family:
+            raise ValueError(f"{spec.shortlist}: its timings are of another shape, dtype or family; "
+                             f"a shortlist comes from the same shape measured elsewhere")
+        configs = shortlist_configs(configs, ref, spec.shortlist_factor)
+        log(f"shortlist: {len(configs)} of {space} configs came within {spec.shortlist_factor:g}x of a point's best "
+            f"in {spec.shortlist}")
     points = grid_points(spec.m_values, spec.betas, spec.seed)
     hw = hardware_for(device=timer.device if timer.on_gpu else None)
     est = estimate_seconds(shape, len(configs), points, spec.family, timer.on_gpu, spec.iters, spec.warmup)
@@ -774,7 +814,9 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
     env = environment()
     profile_meta = {"m_values": list(spec.m_values), "betas": list(spec.betas), "points": len(points),
                     "iters": spec.iters, "seconds": round(run.seconds, 1), "compile_seconds": round(run.compile_seconds, 1),
-                    "timed_configs": len(configs), "kept_configs": len(kept), "prune": spec.prune,
+                    "timed_configs": len(configs), "space_configs": space, "kept_configs": len(kept),
+                    "prune": spec.prune, "shortlist": spec.shortlist,
+                    "shortlist_factor": spec.shortlist_factor if spec.shortlist else None,
                     "failed": len(run.errors), "incomplete": run.incomplete, "complete_m": run.complete_m,
                     "resumed_from": spec.resume,
                     "fit_regret_mean": fit_regret.mean, "fit_regret_max": fit_regret.max,
