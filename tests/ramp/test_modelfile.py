@@ -121,3 +121,14 @@ def test_shipped_h100_bf16_models_are_found_for_their_presets(name, monkeypatch)
     assert path is not None and path.parent == mf.SHIPPED
     model, meta = mf.load_model(path, shape=get_shape(name), gpu="h100", dtype="bf16", family="token")
     assert meta["profile"]["complete_m"] == meta["profile"]["m_values"]  # only complete profiles ship
+
+
+def test_shipped_h100_expert_major_model_is_found_without_the_routers_k(monkeypatch):
+    from moekit.shapes import MoEShape
+
+    monkeypatch.delenv(mf.ENV_DIRS, raising=False)
+    shape = MoEShape("adhoc", 128, 1, 2048, 768)  # the expert-major kernels never see K
+    path = mf.find_model(shape, "h100", "bf16", family="expert_major", any_top_k=True)
+    assert path is not None and path.parent == mf.SHIPPED
+    model, meta = mf.load_model(path, gpu="h100", dtype="bf16", family="expert_major")
+    assert model.capacity == 256 and meta["profile"]["complete_m"] == meta["profile"]["m_values"]
