@@ -112,14 +112,16 @@ def test_shipped_models_load():
         mf.load_model(path)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "olmoe-1b-7b"])
-def test_shipped_h100_bf16_models_are_found_for_their_presets(name, monkeypatch):
-    from moekit.shapes import get_shape
+@pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", "bf16"), ("olmoe-1b-7b", "bf16"), ("deepseek-v3-tp8", "bf16"),
+                                        ("qwen3-30b-a3b", "fp8")])
+def test_shipped_h100_token_models_are_found_for_their_presets(name, dtype, monkeypatch):
+    from moekit.ramp.profile import resolve_shape
 
     monkeypatch.delenv(mf.ENV_DIRS, raising=False)
-    path = mf.find_model(get_shape(name), "h100", "bf16")
+    shape, _ = resolve_shape(name)
+    path = mf.find_model(shape, "h100", dtype)
     assert path is not None and path.parent == mf.SHIPPED
-    model, meta = mf.load_model(path, shape=get_shape(name), gpu="h100", dtype="bf16", family="token")
+    model, meta = mf.load_model(path, shape=shape, gpu="h100", dtype=dtype, family="token")
     assert meta["profile"]["complete_m"] == meta["profile"]["m_values"]  # only complete profiles ship
 
 

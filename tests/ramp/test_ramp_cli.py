@@ -110,3 +110,22 @@ def test_usage_errors_exit_nonzero(args):
     with pytest.raises(SystemExit) as info:
         main(args)
     assert info.value.code != 0
+
+
+def test_expert_major_evaluation_compares_with_the_kernels_own_default():
+    from moekit.bench.ramp import evaluate
+    from moekit.kernels.expert_major import expert_major_default
+    from moekit.ramp.profile import family_configs
+
+    shape = MoEShape("cli-em", num_experts=8, top_k=2, hidden=256, intermediate=128)
+    rng = np.random.default_rng(4)
+    configs = family_configs(shape, "bfloat16", "expert_major")
+    dflt = expert_major_default(64, False)
+    assert dflt in configs
+    truth = synthetic_model(shape, configs, rng, family="expert_major", capacity=64)
+    pts = grid(shape, rng, Ms=(2, 30, 300))
+    t = timings_from_model(truth, pts, noise=0.01, rng=rng)
+    ev = evaluate(truth, t)
+    j = configs.index(dflt)
+    assert ev["default"] == "expert_major_default" and ev["family"] == "expert_major"
+    assert [r["default_us"] for r in ev["points"]] == [float(t.times[i, j]) for i in range(len(pts))]

@@ -186,6 +186,7 @@ def evaluate(model, t_eval, t_profile=None, *, device_choices: list[int] | None 
     skewed = [r for r in done if r["realized_beta"] <= SKEWED + 1e-9 and r["active"] > 0]
     out = {
         "points": rows,
+        "family": model.family,
         "default": "expert_major_default" if model.family == "expert_major" else "default_config",
         "complete_points": len(done),
         "partial_token_counts": sorted({r["M"] for r in rows if not r["complete"]}),
@@ -316,13 +317,14 @@ def draw_figure(shape_name: str, ev: dict, device: str, path: Path) -> Path:
     sk = [r for r in pts if r["realized_beta"] <= SKEWED + 1e-9 and r["active"] > 0 and r.get("complete", True)]
     x = np.arange(len(sk))
     b.bar(x - 0.2, [r["static_us"] / r["ra_us"] for r in sk], 0.4, label="vs static (best at beta=1)")
-    b.bar(x + 0.2, [r["default_us"] / r["ra_us"] for r in sk], 0.4, label="vs default_config")
+    b.bar(x + 0.2, [r["default_us"] / r["ra_us"] for r in sk], 0.4, label=f"vs {ev.get('default', 'default_config')}")
     b.axhline(1.0, c="k", lw=0.8)
     b.set_xticks(x, [f"{r['M']}\n{r['realized_beta']:.2f}" for r in sk], fontsize=7)
     b.set_ylabel("speedup of the routing-aware choice")
     b.set_title(f"skewed points (realized beta <= {SKEWED})")
     b.legend(fontsize=8)
-    fig.suptitle(f"RaMP, {shape_name} on {device}")
+    family = "" if ev.get("family", "token") == "token" else f" ({ev['family']} kernels)"
+    fig.suptitle(f"RaMP, {shape_name}{family} on {device}")
     return save_figure(fig, path)
 
 
