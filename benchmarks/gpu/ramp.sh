@@ -26,6 +26,11 @@
 #     the call ends by ~490 s + Python's start, under 9.5 minutes with room for the slower
 #     shapes (mixtral-8x7b's M = 2048 group about twice qwen3's). What it did not reach, the
 #     next profile call times (--resume).
+#   FP8 (qwen3-30b-a3b, 186 configs): compile 64-92 s, and the first token count timed in a call
+#     98-142 s (first launches of the FP8 binaries), M = 64 another 87 s: ~400 s in all. Give it
+#     the default deadline in one call: a resumed call pays compile and loading again.
+#   With --shortlist FILE --shortlist-factor 1.1 (extra options go to the profile): deepseek-v3-tp8
+#     149 of 317 configs in 254 s.
 #   eval call (a fresh machine compiles again): compile ~85 s + loading ~65 s + 5 token counts
 #     x 6 routings (4, 32, 128, 512, 4096; betas 1.0 .. 0.45 + Zipf 1.2; olmoe-1b-7b adds 10
 #     recorded calls of benchmarks/traces/, about a third more timing) ~150 s + the selector

@@ -606,17 +606,18 @@ def family_configs(shape: MoEShape, dtype: str, family: str, device=None) -> lis
 
 
 def estimate_seconds(shape: MoEShape, n_configs: int, points: list[PointSpec], family: str, on_gpu: bool,
-                     iters: int, warmup: int, compile_workers: int = 16) -> float:
-    """A rough run time: compile (~1.5 s per kernel on one core, three kernels per config),
-    loading the binaries in the timing process (~0.2 s per config), graph capture (~20 ms per
-    config and token count), the timed replays (flush ~60 µs + the call, the call from the
-    kernel roofline times 2.5) and ~3 s per point for its routing and checks (an H100's
-    olmoe-1b-7b profile: 300 s measured, 309 s estimated)."""
+                     iters: int, warmup: int, compile_workers: int = 16, fp8: bool = False) -> float:
+    """A rough run time: compile (~1.5 s per kernel on one core, three kernels per config; FP8
+    ~2.6 s), loading the binaries in the timing process (~0.2 s per config; FP8 ~0.7 s), graph
+    capture (~20 ms per config and token count), the timed replays (flush ~60 µs + the call,
+    the call from the kernel roofline times 2.5) and ~3 s per point for its routing and checks.
+    Against H100 profiles: olmoe-1b-7b bf16 300 s measured, 309 s estimated; qwen3-30b-a3b FP8
+    ~340 s of compile and timing (over three calls), 352 s estimated."""
     if not on_gpu:
         return len(points) * n_configs * (iters + 1) * 0.2
     Ms = sorted({p.M for p in points})
-    compile_s = n_configs * 3 * 1.5 / max(1, compile_workers)
-    load_s = 0.2 * n_configs
+    compile_s = n_configs * 3 * (2.6 if fp8 else 1.5) / max(1, compile_workers)
+    load_s = (0.7 if fp8 else 0.2) * n_configs
     capture_s = 0.02 * n_configs * len(Ms)
     replay_s = 0.0
     for p in points:
@@ -768,7 +769,8 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
             f"in {spec.shortlist}")
     points = grid_points(spec.m_values, spec.betas, spec.seed)
     hw = hardware_for(device=timer.device if timer.on_gpu else None)
-    est = estimate_seconds(shape, len(configs), points, spec.family, timer.on_gpu, spec.iters, spec.warmup)
+    est = estimate_seconds(shape, len(configs), points, spec.family, timer.on_gpu, spec.iters, spec.warmup,
+                           fp8=spec.dtype == "float8_e4m3fn")
     log(f"moekit ramp profile: {shape.name} (E={shape.num_experts} K={shape.top_k} H={shape.hidden} "
         f"N={shape.intermediate}, routed over {routed}) {spec.dtype}, family {spec.family}, on "
         f"{torch.cuda.get_device_name() if timer.on_gpu else 'CPU (interpreter)'} ({hw.key}); "
