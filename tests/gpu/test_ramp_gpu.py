@@ -147,9 +147,9 @@ def models_dir(tmp_path, monkeypatch):
     """A model directory searched first (empty unless a test writes one); the process-wide
     selectors forgotten around the test."""
     monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
     yield tmp_path
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
 
 
 def _save(model: cm.CostModel, where) -> None:
@@ -264,3 +264,35 @@ def test_captured_fused_experts_replay_the_static_choice(models_dir):
         torch.cuda.synchronize()
         want = fused_moe_expert_major(tokens, counts, w13, w2, static)
         assert all(torch.equal(out[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+
+
+def test_fused_experts_default_reads_only_where_it_pays(models_dir):
+    """FusedExperts' default ("ramp"): with a model file, the static choice where the model's
+    predicted gain over the calls one read serves does not cover the read, one read per step
+    where it does; the call runs the chosen config exactly either way."""
+    em = [c for c in DECODE if c.bm == 16]
+    _save(_model(em + [DECODE[2]], [(10, 2), (30, 0), (1000, 0)], "expert_major", CAPACITY), models_dir)
+    _, w13, w2 = _inputs(1, seed=8)
+    layers = [FusedExperts(w13, w2) for _ in range(4)]
+    assert all(m.config == "ramp" for m in layers)
+    s = sel.model_selector_for(SHAPE.num_experts, None, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
+                               device=DEV, family="expert_major", capacity=CAPACITY)
+    assert s is not None and not s.fallback
+    gain = s.read_gain_us(CAPACITY)
+    assert gain > 0
+    g = torch.Generator(device=DEV).manual_seed(9)
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
+    for cost, reads in ((gain * len(layers) * 1.5, 0), (gain * 0.5, 3)):
+        s.read_cost_us = cost
+        before = s.host_reads
+        for step in range(3):
+            for k, layer in enumerate(layers):
+                named = 4 if (step + k) % 2 else 14
+                counts = torch.zeros(SHAPE.num_experts, dtype=torch.int32, device=DEV)
+                counts[:named] = torch.randint(1, CAPACITY + 1, (named,), generator=g, device=DEV, dtype=torch.int32)
+                y = layer(tokens, counts)
+                want = fused_moe_expert_major(tokens, counts, w13, w2, layer.last_config)
+                assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+                if not reads:
+                    assert layer.last_config == s.static_choice(CAPACITY)
+        assert s.host_reads - before == reads

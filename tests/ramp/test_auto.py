@@ -43,9 +43,9 @@ def _few_vs_many(model, cheap_few: int, cheap_many: int):
 def models_dir(tmp_path, monkeypatch):
     """An empty model directory searched first; the process-wide selectors forgotten around the test."""
     monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
     yield tmp_path
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
 
 
 def _token_model(path) -> list[KernelConfig]:
@@ -185,7 +185,7 @@ def test_fused_experts_choose_per_step_and_run_the_choice(models_dir):
     configs = _expert_major_model(models_dir)
     w13, w2 = _weights(torch.float32, seed=7)
     layers = [FusedExperts(w13, w2, config="auto") for _ in range(3)]
-    assert FusedExperts(w13, w2).config == "default"  # RaMP is opt-in until its GPU tests have run
+    assert FusedExperts(w13, w2).config == "ramp"
     tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=torch.Generator().manual_seed(8))
     s = None
     for step, first_named in enumerate(([0, 1, 2, 3], [0, 1], [0, 1, 2], [3])):
@@ -226,3 +226,82 @@ def test_expert_major_fallback_keeps_the_schedule_that_follows_the_counts(models
     assert s.static_choice(64) == expert_major_default(64, False)
     counts = torch.tensor([64, 0, 3, 17, 64, 1, 0, 9], dtype=torch.int32)
     assert s.select(counts=counts, M=64) in s.configs
+
+
+# -- reading the routing only where it pays (FusedExperts' default) -----------------------------------
+
+
+def _em_selector(models_dir) -> sel.Selector:
+    _expert_major_model(models_dir)
+    return sel.selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                            capacity=CAPACITY)
+
+
+def test_read_gain_is_the_models_mean_gain_over_the_sweep(models_dir):
+    s = _em_selector(models_dir)
+    from moekit.ramp.graphs import routing_sweep
+
+    preds = [[float(v) for v in s.model.predict(np.minimum(h, CAPACITY), CAPACITY)]
+             for h in routing_sweep(s, CAPACITY, seeds=1)]
+    static = min(range(len(s.configs)), key=lambda i: sum(p[i] for p in preds))
+    want = sum(p[static] - min(p) for p in preds) / len(preds)
+    assert want > 0  # the sweep has routings each config wins
+    assert s.static_choice(CAPACITY) == s.configs[static]
+    assert s.read_gain_us(CAPACITY) == pytest.approx(want, rel=1e-12)
+
+
+def test_when_pays_reads_only_where_the_gain_covers_the_read(models_dir):
+    s = _em_selector(models_dir)
+    configs = s.configs
+    gain, layers = s.read_gain_us(CAPACITY), ("a", "b", "c")
+    routings = ([0, 1, 2, 3], [1, 3], [0, 2], [0, 1, 3])
+
+    def run_steps(n):
+        for step in range(n):
+            for k, layer in enumerate(layers):
+                s.auto(CAPACITY, counts=_counts(routings[(step + k) % 4]), layer=layer, reads="when_pays")
+                yield step, k
+
+    s.read_cost_us = gain * len(layers) * 1.05  # three layers' gain does not cover one read
+    for _ in run_steps(3):
+        assert s.last == s.static_choice(CAPACITY)
+    assert s.host_reads == 0 and s.calls_per_read == len(layers) and not s.read_pays(CAPACITY)
+    s.read_cost_us = gain * len(layers) * 0.95
+    assert s.read_pays(CAPACITY)
+    for step, k in run_steps(3):
+        first = routings[step % 4]  # the step's first layer decides for all of them
+        assert s.host_reads == step + 1 and s.last == configs[0 if len(first) <= 2 else 1]
+    with pytest.raises(ValueError, match="reads must be"):
+        s.auto(CAPACITY, counts=_counts([0]), reads="always")
+
+
+def test_model_selector_only_where_a_model_exists(models_dir):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "how to profile" warning on this path
+        assert sel.model_selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                                      capacity=CAPACITY) is None
+    _expert_major_model(models_dir)
+    assert sel.model_selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                                  capacity=CAPACITY) is None  # remembered until the selectors are forgotten
+    sel.forget_selectors()
+    s = sel.model_selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                               capacity=CAPACITY)
+    assert s is not None and not s.fallback
+    assert s is sel.selector_for(4, None, 256, 128, dtype=torch.bfloat16, device="cpu", family="expert_major",
+                                 capacity=CAPACITY)
+
+
+def test_fused_experts_default_is_the_kernels_default_off_the_gpu(models_dir):
+    """RaMP's models are per GPU kind: on the CPU (Triton's interpreter) the default mode runs the
+    kernel's default even where a model file exists."""
+    _expert_major_model(models_dir)
+    w13, w2 = _weights(torch.float32, seed=11)
+    m = FusedExperts(w13, w2)
+    tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=torch.Generator().manual_seed(12))
+    counts = _counts([1, 2])
+    y = m(tokens, counts)
+    assert m.config == "ramp" and m.last_config == expert_major_default(CAPACITY, False)
+    want = fused_moe_expert_major(tokens, counts, w13, w2, None)
+    assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))

@@ -130,7 +130,7 @@ def test_selection_changes_with_the_routing():
 def test_fallback_warns_once_and_says_how_to_profile(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))  # no model file anywhere for this shape
     shape = MoEShape("nofile", num_experts=6, top_k=2, hidden=384, intermediate=256)
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
     with pytest.warns(UserWarning, match="moekit ramp profile --experts 6 --top-k 2 --hidden 384"):
         s = sel.selector_for(6, 2, 384, 256, dtype=torch.bfloat16, device="cpu")
     assert s.fallback
@@ -142,12 +142,12 @@ def test_fallback_warns_once_and_says_how_to_profile(monkeypatch, tmp_path):
     assert c in set(config_space(shape)) and c in s.configs
     with pytest.raises(ValueError, match="fitted model"):
         s.choose_device(12, topk_ids=ids)
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
 
 
 def test_auto_config_reads_shape_and_precision_from_the_weights(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEKIT_RAMP_MODELS", str(tmp_path))
-    sel._SELECTORS.clear()
+    sel.forget_selectors()
     w13 = torch.zeros(4, 2 * 256, 384, dtype=torch.float8_e4m3fn)
     w2 = torch.zeros(4, 384, 256, dtype=torch.float8_e4m3fn)
     ids = synthetic_routing(3, 4, 2, seed=0)[0]
@@ -160,4 +160,4 @@ def test_auto_config_reads_shape_and_precision_from_the_weights(monkeypatch, tmp
     with pytest.warns(UserWarning, match="--family expert_major"):
         c2 = sel.auto_config_expert_major(counts, 16, w13, w2, top_k=2)
     assert c2.form == "two_launch"
-    sel._SELECTORS.clear()
+    sel.forget_selectors()

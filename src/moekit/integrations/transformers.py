@@ -275,8 +275,8 @@ def patch(model: nn.Module, experts: str = "torch", dispatcher=None, *, kernel_c
     ``dispatcher``: a :class:`moekit.ep.Dispatcher`, or None for the eager
     :class:`~moekit.ep.AllToAllDispatcher` over the default process group (expert parallel
     when one is initialized, as under ``torchrun``; a single process otherwise). ``kernel_config``: the fused kernel's
-    :class:`moekit.kernels.KernelConfig`, ``"default"`` (the kernel's static default) or None
-    (RaMP's routing-aware choice, :class:`moekit.moe.FusedExperts`). ``method``: ``"auto"``
+    :class:`moekit.kernels.KernelConfig`, ``"default"`` (the kernel's static default), ``"auto"`` or
+    ``"ramp"`` / None (RaMP's routing-aware choice: :class:`moekit.moe.FusedExperts` says how each reads the routing). ``method``: ``"auto"``
     (transformers' experts interface where the experts class takes part in it, else the
     module swap), ``"interface"`` or ``"swap"``.
 

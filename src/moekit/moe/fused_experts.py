@@ -17,7 +17,7 @@ from torch import nn
 from moekit.fp8 import FP8_DTYPE, dequantize_groups, quantize_blocks
 from moekit.moe.experts import check_expert_tokens, check_expert_weights
 
-CONFIG_MODES = ("auto", "default")  # FusedExperts(config=...) besides a KernelConfig
+CONFIG_MODES = ("ramp", "auto", "default")  # FusedExperts(config=...) besides a KernelConfig
 FP8_BLOCK = 128  # weight scale blocks (128 x 128) and activation groups (1 x 128) of the W8A8 kernel
 
 
@@ -38,15 +38,23 @@ class FusedExperts(nn.Module):
       with their scales as they are (no dequantize/requantize round trip), other tokens are
       quantized per 128 columns by the kernel's prologue. H and N must be multiples of 128.
 
-    ``config``: ``"default"`` (or None, the default): the kernel's static default for the
-    capacity (never reads the host). ``"auto"``: RaMP chooses the kernel configuration from
-    the counts (:func:`moekit.ramp.select.auto_config_expert_major`): one host read per forward
-    step, shared by every ``FusedExperts`` of the step (the per-step cache; this module is the
-    layer key); inside a CUDA-graph capture, and at the first call of a capacity, the static
-    choice for the capacity, with no host read, so the call can be captured after one warm-up
-    call (opt-in until its GPU tests have run on the device; see docs/ramp.md). A
-    :class:`moekit.kernels.KernelConfig`: that one (FP8-valid when ``fp8``). ``last_config``: the
-    configuration the last call ran.
+    ``config``:
+
+    * ``"ramp"`` (or None, the default): on a GPU with a fitted RaMP model of this shape
+      (:mod:`moekit.ramp`; shipped or in ``MOEKIT_RAMP_MODELS``), the model's choice for the
+      capacity, reading the counts (one host read per step, shared by every ``FusedExperts``)
+      only at capacities where the model predicts the read saves more than it costs
+      (:func:`moekit.ramp.select.ramp_config_expert_major`); without a model, or off the GPU,
+      the kernel's static default. No host read inside a CUDA-graph capture.
+    * ``"auto"``: RaMP reads the counts every step (one host read per forward step, shared by
+      every ``FusedExperts`` of the step: the per-step cache, this module the layer key); without
+      a model the region-analysis fallback, with a one-time warning. Inside a CUDA-graph capture,
+      and at the first call of a capacity, the static choice for the capacity, with no host
+      read, so the call can be captured after one warm-up call.
+    * ``"default"``: the kernel's static default for the capacity (never reads the host).
+    * A :class:`moekit.kernels.KernelConfig`: that one (FP8-valid when ``fp8``).
+
+    ``last_config``: the configuration the last call ran.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, config=None, fp8: bool = False):
@@ -56,7 +64,7 @@ class FusedExperts(nn.Module):
 
         if not kernels.HAVE_TRITON:
             raise RuntimeError("FusedExperts needs Triton: pip install 'moekit[triton]'")
-        config = "default" if config is None else config
+        config = "ramp" if config is None else config
         if not (isinstance(config, kernels.KernelConfig) or (isinstance(config, str) and config in CONFIG_MODES)):
             raise ValueError(f"config must be a moekit.kernels.KernelConfig, one of {CONFIG_MODES} or None, "
                              f"got {config!r}")
@@ -101,13 +109,18 @@ class FusedExperts(nn.Module):
     def _config_for(self, counts: torch.Tensor, capacity: int):
         # Malformed counts are the kernel's to report; an empty layout runs nothing.
         usable = capacity > 0 and counts.dim() == 1 and counts.shape[0] == self.num_experts
-        if self.config == "default" or (self.config == "auto" and not usable):
-            config = self._default(capacity, self.fp8)
-        elif self.config == "auto":  # imported here: moekit.ramp imports the kernels
+        config = None
+        if self.config == "auto" and usable:  # imported here: moekit.ramp imports the kernels
             from moekit.ramp.select import auto_config_expert_major
 
             config = auto_config_expert_major(counts, capacity, self.w13, self.w2, layer=id(self))
-        else:
+        elif self.config == "ramp" and usable and counts.is_cuda:
+            from moekit.ramp.select import ramp_config_expert_major
+
+            config = ramp_config_expert_major(counts, capacity, self.w13, self.w2, layer=id(self))
+        elif not isinstance(self.config, str):
             config = self.config
+        if config is None:
+            config = self._default(capacity, self.fp8)
         self.last_config = config
         return config

@@ -29,8 +29,10 @@ class MoELayer(nn.Module):
     :class:`SwiGLUExperts`), ``"fused"`` (the fused Triton kernel, :class:`FusedExperts`) or
     ``"fused_fp8"`` (its W8A8 form, the local experts' weights quantized to e4m3 at
     construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`,
-    or ``"default"`` / None (the default): the kernel's static default, or ``"auto"``: RaMP's
-    routing-aware choice (:class:`FusedExperts` says how each behaves in CUDA graphs). FP8
+    or ``"ramp"`` / None (the default): RaMP's choice where a fitted model of the shape exists for
+    the GPU, reading the routing only where that pays, else the kernel's static default;
+    ``"auto"``: RaMP reads the routing every step; ``"default"``: the kernel's static default
+    (:class:`FusedExperts` says how each behaves in CUDA graphs). FP8
     tokens from a quantizing dispatcher reach the experts with their scales: the W8A8 kernel
     takes them as they are, the others dequantize them.
 

@@ -26,6 +26,11 @@ How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_m
 * The first call at a token count runs that static choice too, without reading the routing:
   Triton loads a kernel's module at its first launch, which is not allowed during a capture,
   so the warm-up call every graph needs before its capture loads exactly what the graph runs.
+
+``reads="when_pays"`` (``FusedExperts``' default, :func:`ramp_config_expert_major`) reads the
+routing only at token counts where the model predicts that reading pays for itself
+(:meth:`Selector.read_pays`: the mean gain of the live choice over the static one, over the
+calls one read serves, against :data:`READ_COST_US`); elsewhere it runs the static choice.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 BMS = (16, 32, 64, 128)
 MAX_LAUNCHES = 2
+# What one live selection costs a forward step in eager mode: the selection kernel, its Python
+# launch and the host read that drains the stream (measured on an H100, docs/ramp.md,
+# "Selection at run time"). Selector.read_pays weighs the model's predicted gain against it.
+READ_COST_US = 100.0
 _FP8 = torch.float8_e4m3fn
 
 
@@ -380,6 +389,12 @@ class Selector:
         self.host_reads = 0
         self.last: KernelConfig | None = None  # what :meth:`auto` answered last
         self._static: dict[int, KernelConfig] = {}
+        self._gain: dict[int, float] = {}
+        self.read_cost_us = READ_COST_US
+        self.calls_per_read = 1.0  # calls one read served in the last whole step (read_pays)
+        self._step_layers: set = set()
+        self._step_keys: set = set()
+        self._step_calls = 0
         self._cache: dict = {}
         self._seen: set = set()
         self._explicit_step = 0
@@ -466,17 +481,56 @@ class Selector:
         return config
 
     def auto(self, M: int, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-             layer=None) -> KernelConfig:
+             layer=None, reads: str = "step") -> KernelConfig:
         """What ``config="auto"`` runs: :meth:`select` (one host read per step), except inside a
         CUDA-graph capture and at the first call at ``M``, where the static choice runs (module
-        docstring). Sets ``self.last``."""
+        docstring). ``reads="when_pays"``: the static choice also at every M where
+        :meth:`read_pays` says no. Sets ``self.last``."""
+        if reads not in ("step", "when_pays"):
+            raise ValueError(f"reads must be 'step' or 'when_pays', got {reads!r}")
         src = topk_ids if topk_ids is not None else counts
+        self._note_call(M, layer)
+        with self._lock:
+            first = M not in self._static  # select() runs the static choice there
         if src.is_cuda and torch.cuda.is_current_stream_capturing():
+            config = self.static_choice(M)
+        elif reads == "when_pays" and not first and not self.read_pays(M):
             config = self.static_choice(M)
         else:
             config = self.select(topk_ids=topk_ids, counts=counts, M=M, layer=layer, static_first=True)
         self.last = config
         return config
+
+    def _note_call(self, M: int, layer) -> None:
+        """Counts the calls and token counts of a step (a layer key coming back ends it), for
+        ``calls_per_read``: how many calls one read at a token count served."""
+        with self._lock:
+            if layer is not None and layer in self._step_layers:
+                self.calls_per_read = self._step_calls / max(1, len(self._step_keys))
+                self._step_layers.clear()
+                self._step_keys.clear()
+                self._step_calls = 0
+            if layer is not None:
+                self._step_layers.add(layer)
+            self._step_keys.add(M)
+            self._step_calls += 1
+
+    def read_pays(self, M: int) -> bool:
+        """Whether reading the routing at M is predicted to save more than it costs: the mean
+        predicted gain per call of the live choice over :meth:`static_choice` (over
+        :func:`moekit.ramp.graphs.routing_sweep`), times the calls one read serves
+        (``calls_per_read``, from the last whole step), against ``read_cost_us``. Never
+        without a fitted model."""
+        if self.fallback:
+            return False
+        return self.read_gain_us(M) * self.calls_per_read >= self.read_cost_us
+
+    def read_gain_us(self, M: int) -> float:
+        """The model's mean predicted time saved per call at M by the live choice over the static
+        one (µs), over the routing sweep of :meth:`static_choice`."""
+        self.static_choice(M)
+        with self._lock:
+            return self._gain.get(M, 0.0)
 
     def static_fallback(self, M: int | None = None) -> KernelConfig:
         """The kernel's own default for M (the capacity for the expert-major family)."""
@@ -499,6 +553,7 @@ class Selector:
             hit = self._static.get(M)
         if hit is not None:
             return hit
+        gain = 0.0
         if self.fallback:
             config = self.static_fallback(M)
         else:
@@ -509,9 +564,12 @@ class Selector:
                 hists = [np.minimum(h, self.capacity) for h in hists]
             preds = np.stack([self.model.predict(h, M) for h in hists])
             preds = np.where(np.isfinite(preds), preds, np.inf)
-            config = self.configs[int(np.argmin(preds.mean(axis=0)))]
+            static = int(np.argmin(preds.mean(axis=0)))
+            config = self.configs[static]
+            gain = float(np.mean(preds[:, static] - preds.min(axis=1)))
         with self._lock:
             self._static[M] = config
+            self._gain[M] = gain
         return config
 
 
@@ -544,6 +602,7 @@ class _Step:
 
 _GLOBAL_STEP = _Step()
 _SELECTORS: dict[tuple, Selector] = {}
+_MODELLESS: set = set()  # keys model_selector_for found no model file for
 _SELECTORS_LOCK = threading.Lock()
 
 
@@ -559,6 +618,21 @@ def step():
         _GLOBAL_STEP.epoch += 1
 
 
+def forget_selectors() -> None:
+    """Drop the process-wide selectors and what :func:`model_selector_for` found missing (after
+    model files were added or ``MOEKIT_RAMP_MODELS`` changed)."""
+    with _SELECTORS_LOCK:
+        _SELECTORS.clear()
+        _MODELLESS.clear()
+
+
+def _selector_key(E: int, K: int | None, H: int, N: int, dtype, device, family: str, capacity: int | None) -> tuple:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (E, K, H, N, dtype_name(dtype), str(device), family, capacity)
+
+
 def selector_for(E: int, K: int | None, H: int, N: int, *, dtype, device, family: str = "token",
                  capacity: int | None = None) -> Selector:
     """The process-wide selector of this shape, precision, family and device (made once; the
@@ -566,18 +640,35 @@ def selector_for(E: int, K: int | None, H: int, N: int, *, dtype, device, family
     not know the router's K; a model file of any K serves (:func:`find_model`)."""
     if K is None and family != "expert_major":
         raise ValueError("K (top_k) is needed for the token family")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (E, K, H, N, dtype_name(dtype), str(device), family, capacity)
+    key = _selector_key(E, K, H, N, dtype, device, family, capacity)
     with _SELECTORS_LOCK:
         sel = _SELECTORS.get(key)
         if sel is None:
             # K = 1 stands in for an unknown K (the fallback's templates barely depend on it).
             shape = MoEShape("adhoc", E, K or 1, H, N)
-            sel = _SELECTORS[key] = Selector(shape, dtype=dtype, device=device, family=family, capacity=capacity,
-                                             any_top_k=K is None)
+            sel = _SELECTORS[key] = Selector(shape, dtype=dtype, device=torch.device(key[5]), family=family,
+                                             capacity=capacity, any_top_k=K is None)
     return sel
+
+
+def model_selector_for(E: int, K: int | None, H: int, N: int, *, dtype, device, family: str = "token",
+                       capacity: int | None = None) -> Selector | None:
+    """:func:`selector_for` where a fitted model file of this shape exists for the device's GPU;
+    None (and no warning) where none does: the caller keeps its own static default."""
+    key = _selector_key(E, K, H, N, dtype, device, family, capacity)
+    with _SELECTORS_LOCK:
+        sel = _SELECTORS.get(key)
+        if sel is not None:
+            return None if sel.fallback else sel
+        if key in _MODELLESS:
+            return None
+    dev = torch.device(key[5])
+    gpu = hardware_for(device=dev if dev.type == "cuda" else None).key
+    if find_model(MoEShape("adhoc", E, K or 1, H, N), gpu, key[4], family, any_top_k=K is None) is None:
+        with _SELECTORS_LOCK:
+            _MODELLESS.add(key)
+        return None
+    return selector_for(E, K, H, N, dtype=dtype, device=dev, family=family, capacity=capacity)
 
 
 def auto_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, layer=None) -> KernelConfig:
@@ -598,6 +689,17 @@ def auto_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Ten
     sel = selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16, device=counts.device,
                        family="expert_major", capacity=capacity)
     return sel.auto(capacity, counts=counts, layer=layer)
+
+
+def ramp_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Tensor, w2: torch.Tensor, *,
+                             top_k: int | None = None, layer=None) -> KernelConfig | None:
+    """``FusedExperts``' default: where a fitted model of this shape exists for the GPU, RaMP's
+    choice with ``reads="when_pays"`` (the static choice, and a live read only at capacities
+    where the model predicts it pays); None where no model exists (the caller runs its default)."""
+    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
+    sel = model_selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16,
+                             device=counts.device, family="expert_major", capacity=capacity)
+    return None if sel is None else sel.auto(capacity, counts=counts, layer=layer, reads="when_pays")
 
 
 def fused_moe_auto(x, w13, w2, topk_ids, topk_weights, *, layer=None, **kwargs):
