@@ -98,6 +98,27 @@ def test_triton_selection_matches_torch_on_the_gpu():
         assert float(c_t) == pytest.approx(np.nanmin(pred), rel=1e-5)
 
 
+def test_graphed_reads_choose_what_the_eager_selection_chooses():
+    """The captured selection (one graph per token count, its input copied in) gives the eager
+    selection's config for every new routing, from topk_ids and from counts."""
+    rng = np.random.default_rng(1)
+    configs = config_space(SHAPE)[::4]
+    model = _model(configs, [(rng.uniform(5, 50), rng.uniform(0, 3)) for _ in configs])
+    graphed, eager = sel.Selector(SHAPE, device=DEV, model=model), sel.Selector(SHAPE, device=DEV, model=model)
+    eager.graphed_reads = False
+    assert graphed.graphed_reads
+    picks = set()
+    for M in (1, 7, 64, 700):
+        for seed, beta in enumerate((1.0, 0.3, 0.6, 0.9, 0.45)):
+            ids, _ = _routing(M, beta, 10 * M + seed)
+            cfg = graphed.choose(M, topk_ids=ids)
+            assert cfg == eager.choose(M, topk_ids=ids)
+            picks.add(cfg)
+            counts = sel.histogram(ids, SHAPE.num_experts).to(torch.int32)
+            assert graphed.choose(M, counts=counts) == eager.choose(M, counts=counts)
+    assert len(picks) > 1 and len(graphed._graphs) == 8  # (M, topk_ids | counts)
+
+
 def test_one_host_read_per_step_for_every_layer():
     model = _model(DECODE, [(10, 4), (42, 0), (1000, 0)])
     s = sel.Selector(SHAPE, device=DEV, model=model)

@@ -335,8 +335,10 @@ def selector_cost(selector, shape, M_values, routed: int, layers: int, iters: in
     """µs of one selection: ``device_us``, eager calls between CUDA events (the Triton
     launch from Python and the small torch ops around it included: the host is slower than
     the kernel); ``graph_us``, the same call captured in a CUDA graph and replayed 20 times per
-    sample (the kernels alone); ``choose_with_host_read_us``, a whole ``choose`` with its
-    host read (host clock), also per layer amortized over ``layers``."""
+    sample (the kernels alone); ``choose_with_host_read_us``, a whole eager ``choose`` with its
+    host read (host clock), and ``graphed_choose_with_host_read_us`` the same through the
+    selector's captured selection (``Selector.graphed_reads``); ``per_layer_us``: the
+    selector's own mode amortized over ``layers``."""
     from moekit.bench.timing import time_fn, time_graph_replay
     from moekit.ramp.profile import make_routing
     from moekit.ramp.select import choose_device
@@ -352,15 +354,23 @@ def selector_cost(selector, shape, M_values, routed: int, layers: int, iters: in
 
         dev = time_fn(select, iters=iters, warmup=10, device=selector.device)
         graph = time_graph_replay(select, iters=max(iters // 4, 10), warmup=3, replays_per_sample=20)
-        host = []
-        for _ in range(50):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            selector.choose(M, topk_ids=ids)
-            host.append((time.perf_counter() - t0) * 1e6)
+        host = {}
+        graphed = selector.graphed_reads
+        for mode in (False, True):
+            selector.graphed_reads = mode
+            selector.choose(M, topk_ids=ids)  # a graphed read captures its graph at the first
+            host[mode] = []
+            for _ in range(50):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                selector.choose(M, topk_ids=ids)
+                host[mode].append((time.perf_counter() - t0) * 1e6)
+        selector.graphed_reads = graphed
+        read = float(np.median(host[graphed]))
         out[str(M)] = {"device_us": float(np.median(dev)), "graph_us": float(np.median(graph)),
-                       "choose_with_host_read_us": float(np.median(host)),
-                       "per_layer_us": float(np.median(host)) / layers, "layers": layers,
+                       "choose_with_host_read_us": float(np.median(host[False])),
+                       "graphed_choose_with_host_read_us": float(np.median(host[True])),
+                       "per_layer_us": read / layers, "layers": layers, "graphed_reads": graphed,
                        "variants": dm.num_variants}
     return out
 

@@ -66,6 +66,7 @@ MAX_LAUNCHES = 2
 # launch and the host read that drains the stream (measured on an H100, docs/ramp.md,
 # "Selection at run time"). Selector.read_pays weighs the model's predicted gain against it.
 READ_COST_US = 100.0
+GRAPHED_READS = 64  # captured selections a selector keeps (one per token count or capacity)
 _FP8 = torch.float8_e4m3fn
 
 
@@ -386,6 +387,11 @@ class Selector:
         else:
             self.configs = model.configs
         self._dm: DeviceModel | None = None
+        # A live selection on a CUDA device replays a CUDA graph of the selection kernel (one
+        # per token count): one copy and one replay launched from Python instead of the Triton
+        # launch and the small ops around it, which made the eager read host-bound.
+        self.graphed_reads = True
+        self._graphs: dict = {}
         self.host_reads = 0
         self.last: KernelConfig | None = None  # what :meth:`auto` answered last
         self._static: dict[int, KernelConfig] = {}
@@ -427,9 +433,51 @@ class Selector:
                 vals = vals.clamp(max=self.capacity)
             return fallback_choice(self.shape, vals, M, self.hardware, self.dtype, self.configs)
         dm = self.device_model()
-        row, _ = choose_device(dm, M, topk_ids=topk_ids, counts=counts, num_experts=self.shape.num_experts,
-                               use_triton=self.use_triton)
+        src = topk_ids if topk_ids is not None else counts
+        if self.graphed_reads and src.is_cuda:
+            row = self._graphed_row(dm, M, topk_ids, counts)
+        else:
+            row, _ = choose_device(dm, M, topk_ids=topk_ids, counts=counts, num_experts=self.shape.num_experts,
+                                   use_triton=self.use_triton)
         return self.configs[dm.rows[int(row.item())]]
+
+    def _graphed_row(self, dm: DeviceModel, M: int, topk_ids, counts) -> torch.Tensor:
+        """:func:`choose_device`'s row through a CUDA graph captured once per (M, input layout):
+        the input is copied into the graph's own buffer, then the graph replays. Captured on a
+        side stream with ``capture_begin`` (not ``torch.cuda.graph``, which empties the caching
+        allocator); the first eager call loads the kernel, which a capture may not do."""
+        src = topk_ids if topk_ids is not None else counts
+        key = (M, topk_ids is not None, tuple(src.shape), src.dtype)
+        entry = self._graphs.get(key)
+        if entry is None:
+            buf = src.detach().clone()
+
+            def run():
+                return choose_device(dm, M, topk_ids=buf if topk_ids is not None else None,
+                                     counts=buf if counts is not None else None, num_experts=self.shape.num_experts,
+                                     use_triton=self.use_triton)[0]
+
+            here = torch.cuda.current_stream(src.device)
+            side = torch.cuda.Stream(src.device)
+            side.wait_stream(here)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                run()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    row = run()
+                finally:
+                    graph.capture_end()
+            here.wait_stream(side)
+            entry = (graph, buf, row)
+            with self._lock:
+                if len(self._graphs) >= GRAPHED_READS:
+                    self._graphs.pop(next(iter(self._graphs)))
+                self._graphs[key] = entry
+        graph, buf, row = entry
+        buf.copy_(src)
+        graph.replay()
+        return row
 
     # -- per-step cache -----------------------------------------------------------------
 
