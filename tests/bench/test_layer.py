@@ -23,7 +23,7 @@ from moekit.moe import MoEWeights, reference_moe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (tests/gpu has the GPU one)")
 
-VARIANTS = DEFAULT_VARIANTS + ("ll-fp8+fused+static", "ll-bf16+torch")
+VARIANTS = DEFAULT_VARIANTS + ("ll-fp8+fused+static", "ll-fp8+fused+ramp", "ll-bf16+torch")
 TOKENS = (1, 3)
 
 
@@ -65,8 +65,11 @@ def test_the_record_names_the_kernel_configs_and_the_choice(cpu_record):
             assert sum(by["ll-fp8+fused_fp8+auto", T]["configs"][rank].values()) == 3
             assert by["ll-bf16+torch", T]["configs"][rank] == {}
             assert by["ll-fp8+fused+static", T]["configs"][rank] == {expert_major_default(ll_capacity, False).id: 3}
+            # the layer's default off the GPU (and without a model file): the kernel's default
+            assert by["ll-fp8+fused+ramp", T]["configs"][rank] == {expert_major_default(ll_capacity, False).id: 3}
     assert "region-analysis fallback" in r["choices"]["ll-fp8+fused_fp8+auto"]
     assert r["choices"]["ll-fp8+fused_fp8+static"].startswith("static")
+    assert r["choices"]["ll-fp8+fused+ramp"].startswith("ramp (the default): no RaMP model file")
     assert r["modes"] == {v: "eager" for v in VARIANTS}
     text = format_layer_bench(cpu_record)
     for v in VARIANTS:
@@ -126,7 +129,7 @@ def test_cli_runs_and_prints_progress(capfd, tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--variants", "ll-fp9+torch"], ["--variants", "WIRE+EXPERTS"]),
-    (["--variants", "ll-fp8+fused"], ["--variants", "+auto or +static"]),
+    (["--variants", "ll-fp8+fused"], ["--variants", "+auto, +ramp or +static"]),
     (["--variants", "ll-fp8+torch+auto"], ["--variants", "no kernel CONFIG"]),
     (["--variants", "ll-bf16+torch", "ll-bf16+torch"], ["--variants", "at most once"]),
     (["--tokens", "0"], ["--tokens", ">= 1"]),

@@ -16,8 +16,10 @@ variant, a :class:`~moekit.moe.MoELayer` that keeps its experts. A variant is
 * ``CONFIG`` (fused experts only) -- ``static``: the kernel's static default for the receive
   buffer's capacity (``kernel_config="default"``); ``auto``: RaMP's routing-aware choice
   (``kernel_config="auto"``): with a fitted model file for the shape and GPU its cost model,
-  without one the region analysis (a one-time warning says how to profile). The record says
-  which, and every config each variant ran;
+  without one the region analysis (a one-time warning says how to profile); ``ramp``: the
+  layer's default (``kernel_config="ramp"``): RaMP's model where one exists, reading the routing
+  only where it predicts that pays, else the kernel's default. The record says which, and every
+  config each variant ran;
 * ``@eager`` -- time this variant eagerly even where graphs are on.
 
 With ``--graph`` (the default on GPUs) each variant's forward, routing given, is captured
@@ -70,7 +72,7 @@ from moekit.shapes import PRESETS, MoEShape, get_shape
 
 WIRES = ("ll-fp8", "ll-bf16", "alltoall")
 EXPERTS = ("torch", "fused", "fused_fp8")
-CONFIGS = {"auto": "auto", "static": "default"}  # variant's CONFIG -> MoELayer(kernel_config=...)
+CONFIGS = {"auto": "auto", "static": "default", "ramp": "ramp"}  # variant's CONFIG -> MoELayer(kernel_config=...)
 EAGER_SUFFIX = "@eager"
 DEFAULT_VARIANTS = ("ll-fp8+fused_fp8+auto", "ll-fp8+fused_fp8+static", "alltoall+fused_fp8+static")
 FP8_GROUP = 128  # the wire's columns per scale and the W8A8 kernel's activation groups
@@ -102,7 +104,7 @@ class Variant:
     name: str
     wire: str
     experts: str
-    config: str | None  # "auto" / "static"; None for torch experts
+    config: str | None  # "auto" / "static" / "ramp"; None for torch experts
     eager: bool
 
     @property
@@ -141,7 +143,7 @@ def parse_variant(text: str) -> Variant:
     if experts == "torch" and config is not None:
         raise ValueError(f"--variants: {text!r}: torch experts take no kernel CONFIG")
     if experts != "torch" and config not in CONFIGS:
-        raise ValueError(f"{bad} ({experts} experts need +auto or +static)")
+        raise ValueError(f"{bad} ({experts} experts need +auto, +ramp or +static)")
     return Variant(text, wire, experts, config, eager)
 
 
@@ -330,6 +332,14 @@ def kernel_choice(variant: Variant, captured: bool, selector) -> str:
         return "no kernel (torch experts)"
     if variant.config == "static":
         return "static: the kernel's default for the capacity"
+    if variant.config == "ramp":
+        if selector is None:
+            return "ramp (the default): no RaMP model file for this shape and GPU, so the kernel's default"
+        name = Path(selector.model_path).name
+        if captured:
+            return f"ramp inside a CUDA graph: RaMP's static choice for the capacity, fixed at capture ({name})"
+        return (f"ramp (the default): RaMP's static choice, the routing read where {name} predicts it pays "
+                f"({selector.host_reads} reads)")
     source = (f"RaMP fitted model {Path(selector.model_path).name}" if selector is not None and not selector.fallback
               else "RaMP region-analysis fallback (no model file for this shape and GPU)")
     if captured:
@@ -339,12 +349,14 @@ def kernel_choice(variant: Variant, captured: bool, selector) -> str:
 
 
 def _selector_of(variant: Variant, shape: MoEShape, world_size: int, capacity: int, device):
-    """The RaMP selector a ``config="auto"`` FusedExperts used (the process-wide one of its key)."""
-    from moekit.ramp.select import selector_for
+    """The RaMP selector a ``config="auto"`` or ``"ramp"`` FusedExperts used (the process-wide
+    one of its key; for ``"ramp"`` None where no model file exists)."""
+    from moekit.ramp.select import model_selector_for, selector_for
 
     dtype = torch.float8_e4m3fn if variant.fp8_experts else torch.bfloat16
-    return selector_for(shape.num_experts // world_size, None, shape.hidden, shape.intermediate, dtype=dtype,
-                        device=device, family="expert_major", capacity=capacity)
+    find = model_selector_for if variant.config == "ramp" else selector_for
+    return find(shape.num_experts // world_size, None, shape.hidden, shape.intermediate, dtype=dtype,
+                device=device, family="expert_major", capacity=capacity)
 
 
 def _progress(rank: int, what: str) -> None:
@@ -399,7 +411,7 @@ def _bench_rank(rank: int, world_size: int, cfg: LayerBenchConfig) -> dict:
                     torch.cuda.synchronize()
                 out["errors"].setdefault(v.name, {})[T] = refs.error(v, held["y"], inputs)
             del graph, held, run
-        if v.config == "auto":
+        if v.config in ("auto", "ramp"):
             capacity = log.calls[-1][0] if log.calls else 1
             out["choices"][v.name] = kernel_choice(v, captured, _selector_of(v, shape, world_size, capacity, device))
         else:
