@@ -113,6 +113,7 @@ def test_shipped_models_load():
 
 
 @pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", "bf16"), ("olmoe-1b-7b", "bf16"), ("deepseek-v3-tp8", "bf16"),
+                                        ("mixtral-8x7b", "bf16"),
                                         ("qwen3-30b-a3b", "fp8")])
 def test_shipped_h100_token_models_are_found_for_their_presets(name, dtype, monkeypatch):
     from moekit.ramp.profile import resolve_shape
