@@ -305,3 +305,17 @@ def test_fused_experts_default_is_the_kernels_default_off_the_gpu(models_dir):
     assert m.config == "ramp" and m.last_config == expert_major_default(CAPACITY, False)
     want = fused_moe_expert_major(tokens, counts, w13, w2, None)
     assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+
+
+def test_the_read_is_priced_by_its_mode(models_dir):
+    """Without an explicit cost, a read is priced at the measured cost of its mode: the captured
+    selection's, or the eager launch's (about three times more)."""
+    s = _em_selector(models_dir)
+    assert s.read_cost_us is None and s.graphed_reads
+    gain = s.read_gain_us(CAPACITY)
+    s.calls_per_read = (sel.GRAPHED_READ_COST_US + sel.EAGER_READ_COST_US) / 2 / gain  # between the two
+    assert s.read_pays(CAPACITY)
+    s.graphed_reads = False
+    assert not s.read_pays(CAPACITY)
+    s.read_cost_us = 0.0
+    assert s.read_pays(CAPACITY)

@@ -113,8 +113,8 @@ def test_shipped_models_load():
 
 
 @pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", "bf16"), ("olmoe-1b-7b", "bf16"), ("deepseek-v3-tp8", "bf16"),
-                                        ("mixtral-8x7b", "bf16"),
-                                        ("qwen3-30b-a3b", "fp8")])
+                                        ("mixtral-8x7b", "bf16"), ("deepseek-v3-ep32", "bf16"),
+                                        ("qwen3-30b-a3b", "fp8"), ("olmoe-1b-7b", "fp8")])
 def test_shipped_h100_token_models_are_found_for_their_presets(name, dtype, monkeypatch):
     from moekit.ramp.profile import resolve_shape
 
@@ -126,12 +126,20 @@ def test_shipped_h100_token_models_are_found_for_their_presets(name, dtype, monk
     assert meta["profile"]["complete_m"] == meta["profile"]["m_values"]  # only complete profiles ship
 
 
-def test_shipped_h100_expert_major_model_is_found_without_the_routers_k(monkeypatch):
+# (E, H, N) of the shipped expert-major models: qwen3-30b-a3b at EP 1 / 2 / 4, olmoe-1b-7b at EP 1 / 2,
+# deepseek-v3 at EP 8, mixtral-8x7b at EP 1.
+EXPERT_MAJOR = [(128, 2048, 768), (64, 2048, 768), (32, 2048, 768), (64, 2048, 1024), (32, 2048, 1024),
+                (32, 7168, 2048), (8, 4096, 14336)]
+
+
+@pytest.mark.parametrize("E,H,N", EXPERT_MAJOR)
+def test_shipped_h100_expert_major_models_are_found_without_the_routers_k(monkeypatch, E, H, N):
     from moekit.shapes import MoEShape
 
     monkeypatch.delenv(mf.ENV_DIRS, raising=False)
-    shape = MoEShape("adhoc", 128, 1, 2048, 768)  # the expert-major kernels never see K
+    shape = MoEShape("adhoc", E, 1, H, N)  # the expert-major kernels never see K
     path = mf.find_model(shape, "h100", "bf16", family="expert_major", any_top_k=True)
     assert path is not None and path.parent == mf.SHIPPED
     model, meta = mf.load_model(path, gpu="h100", dtype="bf16", family="expert_major")
+    assert (model.shape.num_experts, model.shape.hidden, model.shape.intermediate) == (E, H, N)
     assert model.capacity == 256 and meta["profile"]["complete_m"] == meta["profile"]["m_values"]

@@ -30,7 +30,8 @@ How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_m
 ``reads="when_pays"`` (``FusedExperts``' default, :func:`ramp_config_expert_major`) reads the
 routing only at token counts where the model predicts that reading pays for itself
 (:meth:`Selector.read_pays`: the mean gain of the live choice over the static one, over the
-calls one read serves, against :data:`READ_COST_US`); elsewhere it runs the static choice.
+calls one read serves, against the read's measured cost, :data:`GRAPHED_READ_COST_US`);
+elsewhere it runs the static choice.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 BMS = (16, 32, 64, 128)
 MAX_LAUNCHES = 2
-# What one live selection costs a forward step in eager mode: the selection kernel, its Python
-# launch and the host read that drains the stream (measured on an H100, docs/ramp.md,
-# "Selection at run time"). Selector.read_pays weighs the model's predicted gain against it.
-READ_COST_US = 100.0
+# What one live selection costs a forward step, host read included (medians over the shipped
+# H100 models, docs/ramp.md "Selection at run time"): through the captured selection (the
+# default on CUDA) and through the eager Triton launch. Selector.read_pays weighs the model's
+# predicted gain against the one in use.
+GRAPHED_READ_COST_US = 41.0
+EAGER_READ_COST_US = 120.0
 GRAPHED_READS = 64  # captured selections a selector keeps (one per token count or capacity)
 _FP8 = torch.float8_e4m3fn
 
@@ -396,7 +399,7 @@ class Selector:
         self.last: KernelConfig | None = None  # what :meth:`auto` answered last
         self._static: dict[int, KernelConfig] = {}
         self._gain: dict[int, float] = {}
-        self.read_cost_us = READ_COST_US
+        self.read_cost_us: float | None = None  # None: by the read's mode (GRAPHED_ / EAGER_READ_COST_US)
         self.calls_per_read = 1.0  # calls one read served in the last whole step (read_pays)
         self._step_layers: set = set()
         self._step_keys: set = set()
@@ -567,11 +570,14 @@ class Selector:
         """Whether reading the routing at M is predicted to save more than it costs: the mean
         predicted gain per call of the live choice over :meth:`static_choice` (over
         :func:`moekit.ramp.graphs.routing_sweep`), times the calls one read serves
-        (``calls_per_read``, from the last whole step), against ``read_cost_us``. Never
-        without a fitted model."""
+        (``calls_per_read``, from the last whole step), against ``read_cost_us`` (None: the
+        measured cost of the read's mode, graphed or eager). Never without a fitted model."""
         if self.fallback:
             return False
-        return self.read_gain_us(M) * self.calls_per_read >= self.read_cost_us
+        cost = self.read_cost_us
+        if cost is None:
+            cost = GRAPHED_READ_COST_US if self.graphed_reads else EAGER_READ_COST_US
+        return self.read_gain_us(M) * self.calls_per_read >= cost
 
     def read_gain_us(self, M: int) -> float:
         """The model's mean predicted time saved per call at M by the live choice over the static
