@@ -202,6 +202,18 @@ def test_auto_entry_runs_the_chosen_config_and_reads_once_per_step(models_dir):
     assert s.host_reads == 5
 
 
+def _expert_major_step(layers, tokens, w13, w2, g, step: int) -> None:
+    """One forward step through ``layers`` (``FusedExperts``), their counts naming 4 or 14 of the
+    16 experts in turn; each call ran exactly the config it reports (bitwise)."""
+    for k, layer in enumerate(layers):
+        named = 4 if (step + k) % 2 else 14
+        counts = torch.zeros(SHAPE.num_experts, dtype=torch.int32, device=DEV)
+        counts[:named] = torch.randint(1, CAPACITY + 1, (named,), generator=g, device=DEV, dtype=torch.int32)
+        y = layer(tokens, counts)
+        want = fused_moe_expert_major(tokens, counts, w13, w2, layer.last_config)
+        assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+
+
 def test_fused_experts_auto_reads_once_per_step(models_dir):
     em = [c for c in DECODE if c.bm == 16]
     _save(_model(em + [DECODE[2]], [(10, 2), (30, 0), (1000, 0)], "expert_major", CAPACITY), models_dir)
@@ -211,13 +223,7 @@ def test_fused_experts_auto_reads_once_per_step(models_dir):
     tokens = torch.randn(SHAPE.num_experts, CAPACITY, SHAPE.hidden, generator=g, device=DEV, dtype=torch.bfloat16)
     s = None
     for step in range(3):
-        for k, layer in enumerate(layers):
-            named = 4 if (step + k) % 2 else 14
-            counts = torch.zeros(SHAPE.num_experts, dtype=torch.int32, device=DEV)
-            counts[:named] = torch.randint(1, CAPACITY + 1, (named,), generator=g, device=DEV, dtype=torch.int32)
-            y = layer(tokens, counts)
-            want = fused_moe_expert_major(tokens, counts, w13, w2, layer.last_config)
-            assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
+        _expert_major_step(layers, tokens, w13, w2, g, step)
         s = s or sel.selector_for(SHAPE.num_experts, None, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
                                   device=DEV, family="expert_major", capacity=CAPACITY)
         assert s.host_reads == step  # step 0: the static choice; then the step's first layer reads
@@ -307,13 +313,7 @@ def test_fused_experts_default_reads_only_where_it_pays(models_dir):
         s.read_cost_us = cost
         before = s.host_reads
         for step in range(3):
-            for k, layer in enumerate(layers):
-                named = 4 if (step + k) % 2 else 14
-                counts = torch.zeros(SHAPE.num_experts, dtype=torch.int32, device=DEV)
-                counts[:named] = torch.randint(1, CAPACITY + 1, (named,), generator=g, device=DEV, dtype=torch.int32)
-                y = layer(tokens, counts)
-                want = fused_moe_expert_major(tokens, counts, w13, w2, layer.last_config)
-                assert all(torch.equal(y[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
-                if not reads:
-                    assert layer.last_config == s.static_choice(CAPACITY)
+            _expert_major_step(layers, tokens, w13, w2, g, step)
+            if not reads:
+                assert all(m.last_config == s.static_choice(CAPACITY) for m in layers)
         assert s.host_reads - before == reads
