@@ -186,7 +186,7 @@ def test_ramp_model_file_prices_the_kernel_where_it_covers_the_shape(monkeypatch
     for m in (1025, 4096):
         assert cost(np.bincount(rng.integers(0, 128, m * 8), minlength=128), m) is None
     assert cost(np.zeros(64), 4) is None  # another expert count: not covered
-    for shape, gpu in ((qwen3, "h200"), (tax_shape("mixtral-8x7b"), "h100")):
+    for shape, gpu in ((qwen3, "h200"), (tax_shape("qwen2-moe"), "h100")):
         c, _, why = ramp_kernel_cost(shape, gpu)
         assert c is None and "no RaMP model file" in why
 
