@@ -237,23 +237,38 @@ def _em_selector(models_dir) -> sel.Selector:
                             capacity=CAPACITY)
 
 
-def test_read_gain_is_the_models_mean_gain_over_the_sweep(models_dir):
-    s = _em_selector(models_dir)
+def test_read_gains_are_the_models_over_the_sweep(models_dir):
+    """``read_gains_us``: the live choice's mean gain over the static one on the routing it read,
+    and on the same skew's routing of the other seed (the other layers of a step), against a
+    plain loop over the model's predictions."""
     from moekit.ramp.graphs import routing_sweep
 
-    preds = [[float(v) for v in s.model.predict(np.minimum(h, CAPACITY), CAPACITY)]
-             for h in routing_sweep(s, CAPACITY, seeds=1)]
-    static = min(range(len(s.configs)), key=lambda i: sum(p[i] for p in preds))
-    want = sum(p[static] - min(p) for p in preds) / len(preds)
-    assert want > 0  # the sweep has routings each config wins
-    assert s.static_choice(CAPACITY) == s.configs[static]
-    assert s.read_gain_us(CAPACITY) == pytest.approx(want, rel=1e-12)
+    shape = MoEShape("gains", 16, 4, 256, 128)
+    configs = [c for c in config_space(shape) if c.form == "two_launch" and c.split_k == 1]
+    model = synthetic_model(shape, configs, np.random.default_rng(0), family="expert_major", capacity=64)
+    s = sel.Selector(shape, model=model, family="expert_major", capacity=64, device="cpu")
+    M = 12
+    hists = routing_sweep(s, M, seeds=2)
+    preds = [[float(v) for v in s.model.predict(np.minimum(h, 64), M)] for h in hists]
+    half = len(preds) // 2
+    static = min(range(len(configs)), key=lambda i: sum(p[i] for p in preds[:half]))  # one seed
+    best = [min(range(len(configs)), key=lambda i: p[i]) for p in preds]
+    same = sum(p[static] - p[best[j]] for j, p in enumerate(preds)) / len(preds)
+    other = sum(p[static] - p[best[(j + half) % len(preds)]] for j, p in enumerate(preds)) / len(preds)
+    assert same > other > 0  # the choice moves with the routing, not only with its skew
+    assert s.static_choice(M) == configs[static]
+    got = s.read_gains_us(M)
+    assert got[0] == pytest.approx(same, rel=1e-12) and got[1] == pytest.approx(other, rel=1e-12, abs=1e-12)
+    assert s.read_gain_us(M) == got[0]
+    for calls in (1.0, 3.0, 48.0):
+        s.calls_per_read = calls
+        assert s.read_value_us(M) == pytest.approx(same + (calls - 1) * other, rel=1e-12)
 
 
 def test_when_pays_reads_only_where_the_gain_covers_the_read(models_dir):
     s = _em_selector(models_dir)
     configs = s.configs
-    gain, layers = s.read_gain_us(CAPACITY), ("a", "b", "c")
+    layers = ("a", "b", "c")
     routings = ([0, 1, 2, 3], [1, 3], [0, 2], [0, 1, 3])
 
     def run_steps(n):
@@ -262,17 +277,37 @@ def test_when_pays_reads_only_where_the_gain_covers_the_read(models_dir):
                 s.auto(CAPACITY, counts=_counts(routings[(step + k) % 4]), layer=layer, reads="when_pays")
                 yield step, k
 
-    s.read_cost_us = gain * len(layers) * 1.05  # three layers' gain does not cover one read
+    same, other = s.read_gains_us(CAPACITY)
+    assert same > 0 and other > 0
+    value = same + (len(layers) - 1) * other  # what one read is worth to a step of three layers
+    s.read_cost_us = max(same, value) * 1.05
     for _ in run_steps(3):
         assert s.last == s.static_choice(CAPACITY)
     assert s.host_reads == 0 and s.calls_per_read == len(layers) and not s.read_pays(CAPACITY)
-    s.read_cost_us = gain * len(layers) * 0.95
+    s.read_cost_us = value * 0.95
     assert s.read_pays(CAPACITY)
     for step, k in run_steps(3):
         first = routings[step % 4]  # the step's first layer decides for all of them
         assert s.host_reads == step + 1 and s.last == configs[0 if len(first) <= 2 else 1]
     with pytest.raises(ValueError, match="reads must be"):
         s.auto(CAPACITY, counts=_counts([0]), reads="always")
+
+
+def test_the_first_call_at_a_token_count_reads_nothing_whatever_was_asked_before(models_dir):
+    """The warm-up before a CUDA-graph capture must load the configuration the capture will run:
+    the first call at M runs the static choice, even after the static choice, the gains or
+    read_pays were computed for M."""
+    s = _em_selector(models_dir)
+    s.read_cost_us = 0.0
+    assert s.read_pays(CAPACITY) and s.static_choice(CAPACITY)
+    for reads in ("when_pays", "step"):
+        s.new_step()
+        s._launched.clear()
+        assert s.auto(CAPACITY, counts=_counts([1, 3]), layer="a", reads=reads) == s.static_choice(CAPACITY)
+        assert s.host_reads == 0
+    s.new_step()
+    s.auto(CAPACITY, counts=_counts([1, 3]), layer="a", reads="when_pays")  # a layer comes back: a new step
+    assert s.host_reads == 1 and s.last == s.configs[0]
 
 
 def test_model_selector_only_where_a_model_exists(models_dir):

@@ -338,8 +338,7 @@ def kernel_choice(variant: Variant, captured: bool, selector) -> str:
         name = Path(selector.model_path).name
         if captured:
             return f"ramp inside a CUDA graph: RaMP's static choice for the capacity, fixed at capture ({name})"
-        return (f"ramp (the default): RaMP's static choice, the routing read where {name} predicts it pays "
-                f"({selector.host_reads} reads)")
+        return f"ramp (the default): RaMP's static choice, the routing read where {name} predicts it pays"
     source = (f"RaMP fitted model {Path(selector.model_path).name}" if selector is not None and not selector.fallback
               else "RaMP region-analysis fallback (no model file for this shape and GPU)")
     if captured:

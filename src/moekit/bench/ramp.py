@@ -356,16 +356,18 @@ def selector_cost(selector, shape, M_values, routed: int, layers: int, iters: in
         graph = time_graph_replay(select, iters=max(iters // 4, 10), warmup=3, replays_per_sample=20)
         host = {}
         graphed = selector.graphed_reads
-        for mode in (False, True):
-            selector.graphed_reads = mode
-            selector.choose(M, topk_ids=ids)  # a graphed read captures its graph at the first
-            host[mode] = []
-            for _ in range(50):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                selector.choose(M, topk_ids=ids)
-                host[mode].append((time.perf_counter() - t0) * 1e6)
-        selector.graphed_reads = graphed
+        try:
+            for mode in (False, True):
+                selector.graphed_reads = mode
+                selector.choose(M, topk_ids=ids)  # a graphed read captures its graph at the first
+                host[mode] = []
+                for _ in range(50):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    selector.choose(M, topk_ids=ids)
+                    host[mode].append((time.perf_counter() - t0) * 1e6)
+        finally:
+            selector.graphed_reads = graphed
         read = float(np.median(host[graphed]))
         out[str(M)] = {"device_us": float(np.median(dev)), "graph_us": float(np.median(graph)),
                        "choose_with_host_read_us": float(np.median(host[False])),

@@ -29,9 +29,10 @@ How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_m
 
 ``reads="when_pays"`` (``FusedExperts``' default, :func:`ramp_config_expert_major`) reads the
 routing only at token counts where the model predicts that reading pays for itself
-(:meth:`Selector.read_pays`: the mean gain of the live choice over the static one, over the
-calls one read serves, against the read's measured cost, :data:`GRAPHED_READ_COST_US`);
-elsewhere it runs the static choice.
+(:meth:`Selector.read_pays`: the predicted gain of the live choice over the static one on the
+routing it read, plus its gain on the other calls it serves, whose routings share the skew but
+not the experts, against the read's measured cost, :data:`GRAPHED_READ_COST_US`); elsewhere it
+runs the static choice.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import contextlib
 import os
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -394,11 +396,13 @@ class Selector:
         # per token count): one copy and one replay launched from Python instead of the Triton
         # launch and the small ops around it, which made the eager read host-bound.
         self.graphed_reads = True
-        self._graphs: dict = {}
+        self._graphs: OrderedDict = OrderedDict()  # least recently used first
+        self._graph_lock = threading.Lock()  # one graphed read at a time: they share buffers
         self.host_reads = 0
         self.last: KernelConfig | None = None  # what :meth:`auto` answered last
         self._static: dict[int, KernelConfig] = {}
-        self._gain: dict[int, float] = {}
+        self._launched: set = set()  # token counts :meth:`auto` has run at
+        self._gains: dict[int, tuple[float, float]] = {}
         self.read_cost_us: float | None = None  # None: by the read's mode (GRAPHED_ / EAGER_READ_COST_US)
         self.calls_per_read = 1.0  # calls one read served in the last whole step (read_pays)
         self._step_layers: set = set()
@@ -442,45 +446,52 @@ class Selector:
         else:
             row, _ = choose_device(dm, M, topk_ids=topk_ids, counts=counts, num_experts=self.shape.num_experts,
                                    use_triton=self.use_triton)
-        return self.configs[dm.rows[int(row.item())]]
+            row = int(row.item())
+        return self.configs[dm.rows[row]]
 
-    def _graphed_row(self, dm: DeviceModel, M: int, topk_ids, counts) -> torch.Tensor:
+    def _graphed_row(self, dm: DeviceModel, M: int, topk_ids, counts) -> int:
         """:func:`choose_device`'s row through a CUDA graph captured once per (M, input layout):
-        the input is copied into the graph's own buffer, then the graph replays. Captured on a
-        side stream with ``capture_begin`` (not ``torch.cuda.graph``, which empties the caching
-        allocator); the first eager call loads the kernel, which a capture may not do."""
+        the input is copied into the graph's own buffer, the graph replays, the row is read; one
+        read at a time (the buffers are shared). Captured on a side stream with ``capture_begin``
+        (not ``torch.cuda.graph``, which empties the caching allocator); the first eager call
+        loads the kernel, which a capture may not do. The least recently used graph goes past
+        :data:`GRAPHED_READS`."""
         src = topk_ids if topk_ids is not None else counts
         key = (M, topk_ids is not None, tuple(src.shape), src.dtype)
-        entry = self._graphs.get(key)
-        if entry is None:
-            buf = src.detach().clone()
-
-            def run():
-                return choose_device(dm, M, topk_ids=buf if topk_ids is not None else None,
-                                     counts=buf if counts is not None else None, num_experts=self.shape.num_experts,
-                                     use_triton=self.use_triton)[0]
-
-            here = torch.cuda.current_stream(src.device)
-            side = torch.cuda.Stream(src.device)
-            side.wait_stream(here)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side):
-                run()
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    row = run()
-                finally:
-                    graph.capture_end()
-            here.wait_stream(side)
-            entry = (graph, buf, row)
-            with self._lock:
+        with self._graph_lock:
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._capture_selection(dm, M, src, topk_ids is not None)
                 if len(self._graphs) >= GRAPHED_READS:
-                    self._graphs.pop(next(iter(self._graphs)))
+                    self._graphs.popitem(last=False)
                 self._graphs[key] = entry
-        graph, buf, row = entry
-        buf.copy_(src)
-        graph.replay()
-        return row
+            self._graphs.move_to_end(key)
+            graph, buf, row = entry
+            buf.copy_(src)
+            graph.replay()
+            return int(row.item())
+
+    def _capture_selection(self, dm: DeviceModel, M: int, src: torch.Tensor, from_ids: bool) -> tuple:
+        """(graph, its input buffer, its output row) of one selection at M."""
+        buf = src.detach().clone()
+
+        def run():
+            return choose_device(dm, M, topk_ids=buf if from_ids else None, counts=None if from_ids else buf,
+                                 num_experts=self.shape.num_experts, use_triton=self.use_triton)[0]
+
+        here = torch.cuda.current_stream(src.device)
+        side = torch.cuda.Stream(src.device)
+        side.wait_stream(here)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            run()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                row = run()
+            finally:
+                graph.capture_end()
+        here.wait_stream(side)
+        return graph, buf, row
 
     # -- per-step cache -----------------------------------------------------------------
 
@@ -502,11 +513,11 @@ class Selector:
             self.new_step()
 
     def select(self, *, topk_ids: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-               M: int | None = None, layer=None, static_first: bool = False) -> KernelConfig:
+               M: int | None = None, layer=None, static: bool = False) -> KernelConfig:
         """:meth:`choose`, cached for the step: keyed by the token count ``M`` (``topk_ids``'
         rows; for ``counts`` give M, or the capacity keys it). ``layer``: a key of the calling
-        layer; when it comes back, a new step has begun. ``static_first``: the first selection
-        at M is :meth:`static_choice` (no host read; see the module docstring)."""
+        layer; when it comes back, a new step has begun. ``static``: on a cache miss, cache
+        :meth:`static_choice` instead of reading (the first call at M; see the module docstring)."""
         if M is None:
             M = topk_ids.shape[0] if topk_ids is not None else (self.capacity or 0)
         caching = layer is not None or self._explicit_step > 0 or _GLOBAL_STEP.depth > 0
@@ -522,7 +533,7 @@ class Selector:
             hit = self._cache.get(M) if caching else None
         if hit is not None:
             return hit
-        if static_first and M not in self._static:
+        if static:
             config = self.static_choice(M)
         else:
             config = self.choose(M, topk_ids=topk_ids, counts=counts)
@@ -542,49 +553,91 @@ class Selector:
         src = topk_ids if topk_ids is not None else counts
         self._note_call(M, layer)
         with self._lock:
-            first = M not in self._static  # select() runs the static choice there
+            first = M not in self._launched
+            self._launched.add(M)
         if src.is_cuda and torch.cuda.is_current_stream_capturing():
             config = self.static_choice(M)
         elif reads == "when_pays" and not first and not self.read_pays(M):
             config = self.static_choice(M)
         else:
-            config = self.select(topk_ids=topk_ids, counts=counts, M=M, layer=layer, static_first=True)
+            config = self.select(topk_ids=topk_ids, counts=counts, M=M, layer=layer, static=first)
         self.last = config
         return config
 
     def _note_call(self, M: int, layer) -> None:
-        """Counts the calls and token counts of a step (a layer key coming back ends it), for
-        ``calls_per_read``: how many calls one read at a token count served."""
+        """Counts the calls and token counts of a step of layer-keyed calls (a layer key coming
+        back ends it), for ``calls_per_read``: how many calls one read at a token count served.
+        Calls without a layer key are not counted (``calls_per_read`` stays as it was)."""
+        if layer is None:
+            return
         with self._lock:
-            if layer is not None and layer in self._step_layers:
+            if layer in self._step_layers:
                 self.calls_per_read = self._step_calls / max(1, len(self._step_keys))
                 self._step_layers.clear()
                 self._step_keys.clear()
                 self._step_calls = 0
-            if layer is not None:
-                self._step_layers.add(layer)
+            self._step_layers.add(layer)
             self._step_keys.add(M)
             self._step_calls += 1
 
     def read_pays(self, M: int) -> bool:
-        """Whether reading the routing at M is predicted to save more than it costs: the mean
-        predicted gain per call of the live choice over :meth:`static_choice` (over
-        :func:`moekit.ramp.graphs.routing_sweep`), times the calls one read serves
-        (``calls_per_read``, from the last whole step), against ``read_cost_us`` (None: the
-        measured cost of the read's mode, graphed or eager). Never without a fitted model."""
+        """Whether reading the routing at M is predicted to save more than it costs:
+        :meth:`read_value_us` against ``read_cost_us`` (None: the measured cost of the read's
+        mode, graphed or eager). Never without a fitted model."""
         if self.fallback:
             return False
         cost = self.read_cost_us
         if cost is None:
             cost = GRAPHED_READ_COST_US if self.graphed_reads else EAGER_READ_COST_US
-        return self.read_gain_us(M) * self.calls_per_read >= cost
+        return self.read_value_us(M) >= cost
+
+    def read_value_us(self, M: int) -> float:
+        """The predicted time one read saves a step at M: the gain on the routing it read, plus
+        the gain on each other call it serves (``calls_per_read`` - 1 of them, from the last
+        whole step), whose routing it did not read (:meth:`read_gains_us`)."""
+        same, other = self.read_gains_us(M)
+        return same + max(0.0, self.calls_per_read - 1) * other
 
     def read_gain_us(self, M: int) -> float:
         """The model's mean predicted time saved per call at M by the live choice over the static
-        one (µs), over the routing sweep of :meth:`static_choice`."""
-        self.static_choice(M)
+        one, on the routing it was made for (µs): :meth:`read_gains_us`' first value."""
+        return self.read_gains_us(M)[0]
+
+    def read_gains_us(self, M: int) -> tuple[float, float]:
+        """(same, other), µs, from the model over :func:`moekit.ramp.graphs.routing_sweep` at M
+        with two seeds, once per M. ``same``: the mean time the choice made for a routing saves
+        on that routing, against :meth:`static_choice`. ``other``: what it saves on a routing of
+        the same skew drawn with the other seed -- the other layers of a step, which share the
+        token count and, by the paper's per-step argument, the skew, but not the experts. It can
+        be negative (the read's choice loses there)."""
         with self._lock:
-            return self._gain.get(M, 0.0)
+            hit = self._gains.get(M)
+        if hit is not None:
+            return hit
+        gains = (0.0, 0.0)
+        static = self.static_choice(M)
+        if not self.fallback and static in self.configs:
+            from moekit.ramp.graphs import routing_sweep
+
+            preds = self._predictions(routing_sweep(self, max(1, M), seeds=2), M)
+            s, best = self.configs.index(static), np.argmin(preds, axis=1)
+            half = len(preds) // 2
+            other = np.concatenate([best[half:], best[:half]])  # the same skew, the other seed
+            rows = np.arange(len(preds))
+            gain_same, gain_other = preds[:, s] - preds[rows, best], preds[:, s] - preds[rows, other]
+            if np.isfinite(gain_same).all() and np.isfinite(gain_other).all():
+                gains = (float(gain_same.mean()), float(gain_other.mean()))
+        with self._lock:
+            self._gains[M] = gains
+        return gains
+
+    def _predictions(self, hists: list[np.ndarray], M: int) -> np.ndarray:
+        """[routings, configs] predicted µs (inf where a config has no fitted variant), the
+        counts clamped to the capacity."""
+        if self.capacity:
+            hists = [np.minimum(h, self.capacity) for h in hists]
+        preds = np.stack([self.model.predict(h, M) for h in hists])
+        return np.where(np.isfinite(preds), preds, np.inf)
 
     def static_fallback(self, M: int | None = None) -> KernelConfig:
         """The kernel's own default for M (the capacity for the expert-major family)."""
@@ -607,23 +660,17 @@ class Selector:
             hit = self._static.get(M)
         if hit is not None:
             return hit
-        gain = 0.0
-        if self.fallback:
-            config = self.static_fallback(M)
-        else:
+        config = None
+        if not self.fallback:
             from moekit.ramp.graphs import routing_sweep
 
-            hists = routing_sweep(self, max(1, M), seeds=1)
-            if self.capacity:
-                hists = [np.minimum(h, self.capacity) for h in hists]
-            preds = np.stack([self.model.predict(h, M) for h in hists])
-            preds = np.where(np.isfinite(preds), preds, np.inf)
-            static = int(np.argmin(preds.mean(axis=0)))
-            config = self.configs[static]
-            gain = float(np.mean(preds[:, static] - preds.min(axis=1)))
+            mean = self._predictions(routing_sweep(self, max(1, M), seeds=1), M).mean(axis=0)
+            if np.isfinite(mean).any():  # else no config has a fitted variant at M
+                config = self.configs[int(np.argmin(mean))]
+        if config is None:
+            config = self.static_fallback(M)
         with self._lock:
             self._static[M] = config
-            self._gain[M] = gain
         return config
 
 
