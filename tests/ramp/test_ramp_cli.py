@@ -129,3 +129,29 @@ def test_expert_major_evaluation_compares_with_the_kernels_own_default():
     j = configs.index(dflt)
     assert ev["default"] == "expert_major_default" and ev["family"] == "expert_major"
     assert [r["default_us"] for r in ev["points"]] == [float(t.times[i, j]) for i in range(len(pts))]
+
+
+def test_models_lists_what_selection_finds(tmp_path, monkeypatch, capsys):
+    """``moekit ramp models``: the user's folder first, a shipped file it shadows marked, a file
+    that does not load listed with its error, ``--gpu`` filtering."""
+    import shutil
+
+    from moekit.ramp.modelfile import ENV_DIRS, SHIPPED, list_models
+
+    shipped = sorted(SHIPPED.glob("h100-*.json"))
+    assert shipped
+    shutil.copy(shipped[0], tmp_path / shipped[0].name)
+    (tmp_path / "h100-bfloat16-token-E1-K1-H1-N1.json").write_text("{not json")
+    monkeypatch.setenv(ENV_DIRS, str(tmp_path))
+    rows = list_models()
+    assert [r["dir"] for r in rows[:2]] == [str(tmp_path)] * 2 and "error" in rows[1]
+    assert len(rows) == len(list(SHIPPED.glob("*.json"))) + 2
+    same = [r for r in rows if r["file"] == shipped[0].name]
+    assert [r["shadowed"] for r in same] == [False, True]
+    assert all(r["gpu"] == "h100" for r in list_models("h100") if "error" not in r)
+    assert not [r for r in list_models("h200") if "error" not in r and r["dir"] == str(SHIPPED)]
+    assert main(["ramp", "models"]) == 0
+    out = capsys.readouterr().out
+    assert "does not load" in out and "(shadowed)" in out and f"{len(rows)} model files" in out
+    assert main(["ramp", "models", "--gpu", "h100", "--json"]) == 0
+    assert all(r.get("gpu", "h100") == "h100" for r in json.loads(capsys.readouterr().out))

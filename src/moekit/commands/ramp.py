@@ -151,6 +151,28 @@ def run_show(args) -> int:
     return 0
 
 
+def run_models(args) -> int:
+    from moekit.ramp.modelfile import SHIPPED, list_models
+
+    rows = list_models(args.gpu)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print("gpu   dtype          family        E    K  H      N      cap  configs  fit mean/max   commit   file")
+    for r in rows:
+        where = "" if r["dir"] == str(SHIPPED) else f"  ({r['dir']})"
+        if "error" in r:
+            print(f"-- {r['file']}{where}: does not load: {r['error']}")
+            continue
+        E, K, H, N = r["shape"]
+        fit = "" if r["fit_regret_mean"] is None else f"{100 * r['fit_regret_mean']:.2f}/{100 * r['fit_regret_max']:.1f} %"
+        shadow = "  (shadowed)" if r["shadowed"] else ""
+        print(f"{r['gpu']:<5} {r['dtype']:<14} {r['family']:<13} {E:<4} {K:<2} {H:<6} {N:<6} {r['capacity'] or '-':<4} "
+              f"{r['configs']:<8} {fit:<14} {r['commit'] or '-':<8} {r['file']}{where}{shadow}")
+    print(f"{len(rows)} model files (searched: MOEKIT_RAMP_MODELS, then the shipped ones)")
+    return 0
+
+
 def register(sub) -> None:
     r = sub.add_parser("ramp", help="RaMP: performance regions, profiling and the routing-aware config choice")
     rs = r.add_subparsers(dest="ramp_command", required=True)
@@ -216,4 +238,8 @@ def register(sub) -> None:
     s.add_argument("--no-space-check", action="store_true",
                    help="do not check that every config of the file is in this kernel version's config space")
     s.set_defaults(func=run_show)
+    m = rs.add_parser("models", help="the model files selection finds (MOEKIT_RAMP_MODELS, then the shipped ones)")
+    m.add_argument("--gpu", choices=("h100", "h200"), help="only this GPU's")
+    m.add_argument("--json", action="store_true", help="the rows as JSON")
+    m.set_defaults(func=run_models)
 

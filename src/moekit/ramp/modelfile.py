@@ -229,3 +229,29 @@ def find_model(shape: MoEShape, gpu: str, dtype, family: str = "token", any_top_
             if found:
                 return found[0]
     return None
+
+
+def list_models(gpu: str | None = None) -> list[dict]:
+    """Every model file in :func:`model_dirs`, in search order (a file shadowed by an earlier one
+    of the same name is marked), as rows: the file, its folder, GPU, dtype, family, (E, K, H, N),
+    capacity, configs, profiled token counts, in-sample regret, commit. ``gpu``: that GPU's only.
+    A file that does not load is listed with its error."""
+    rows, seen = [], set()
+    for d in model_dirs():
+        for path in sorted(Path(d).glob("*.json")) if Path(d).is_dir() else []:
+            try:
+                model, meta = load_model(path)
+            except (ValueError, KeyError, json.JSONDecodeError) as error:
+                rows.append({"file": path.name, "dir": str(d), "error": str(error)})
+                continue
+            if gpu is not None and model.hardware.key != gpu:
+                continue
+            s, prof = model.shape, meta.get("profile", {})
+            rows.append({"file": path.name, "dir": str(d), "shadowed": path.name in seen, "gpu": model.hardware.key,
+                         "dtype": meta["dtype"], "family": model.family,
+                         "shape": (s.num_experts, s.top_k, s.hidden, s.intermediate), "capacity": model.capacity,
+                         "configs": len(model.configs), "m_values": prof.get("m_values"),
+                         "fit_regret_mean": prof.get("fit_regret_mean"), "fit_regret_max": prof.get("fit_regret_max"),
+                         "commit": meta.get("environment", {}).get("git_commit")})
+            seen.add(path.name)
+    return rows
