@@ -2,8 +2,10 @@
 
 For each shape with complete H100 timings (profile + held-out evaluation), restrict the
 exhaustive search to the configs within F of some point's best in (a) the same shape on the
-H200 dataset, (b) a greedy cover of every *other* shape on both GPUs, and report the regret of
-the restricted best against the full best. CPU only: reads the committed records.
+H200 dataset, (b) a greedy cover of every *other* shape on both GPUs, (c) the union of the
+qwen3-30b-a3b and olmoe-1b-7b H100 profiles (bf16 and FP8: what ``--shortlist-any-shape``
+would time for the other presets), and report the regret of the restricted best against the
+full best. CPU only: reads the committed records.
 
     python benchmarks/probes/ramp_shortlist_probe.py
 """
@@ -66,6 +68,22 @@ def main() -> None:
         keep = greedy_cover([t for k, t in data.items() if k[1] != s], 0.02)
         rows = [f"{k[0]} {'%.2f / %.1f' % restricted_regret(t, keep)}" for k, t in data.items() if k[1] == s]
         print(f"  {s:17s} {len(keep):3d} configs; {'; '.join(rows)}")
+    print("(c) --shortlist-any-shape: the union of qwen3-30b-a3b's and olmoe-1b-7b's H100 profiles (F x),")
+    print("    regret on the other H100 profiles, over the configs they timed (mean / max %)")
+    for dtype in ("bf16", "fp8"):
+        profiles = {}
+        for f in sorted(glob.glob(f"benchmarks/results/ramp-nvidia-h100/*-{dtype}/profile-*-token-timings.json.gz")):
+            t, _ = load_any_timings(f)
+            profiles[t.shape.name] = t
+        base = [profiles[s] for s in ("qwen3-30b-a3b", "olmoe-1b-7b") if s in profiles]
+        for factor in (1.10, 1.20):
+            keep = set().union(*(near(t, factor) for t in base))
+            rows = [f"{s} {'%.2f / %.1f' % restricted_regret(t, keep)}" for s, t in profiles.items()
+                    if s not in ("qwen3-30b-a3b", "olmoe-1b-7b")]
+            pair = [f"{a}->{b} {'%.2f / %.1f' % restricted_regret(profiles[b], near(profiles[a], factor))}"
+                    for a, b in (("qwen3-30b-a3b", "olmoe-1b-7b"), ("olmoe-1b-7b", "qwen3-30b-a3b"))
+                    if a in profiles and b in profiles]
+            print(f"  {dtype} {factor:.2f}x: {len(keep):3d} configs; {'; '.join(rows + pair)}")
 
 
 if __name__ == "__main__":

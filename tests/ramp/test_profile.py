@@ -162,6 +162,9 @@ def test_shortlist_keeps_the_configs_near_a_best_and_those_never_measured():
     # bm=128 was never measured there and bm=64 bn=64 is not in it: both are timed, not dropped.
     assert pf.shortlist_configs(space, ref, 1.1) == [cfgs[0], cfgs[1], cfgs[3], space[4]]
     assert pf.shortlist_configs(space, ref, 1.2) == space
+    # Several references: the union of their near-best configs; unmeasured means by none of them.
+    other = Timings(shape, 4, "bfloat16", cfgs[2:], [Point(1, 1, 1, np.ones(4, int))], np.array([[5.0, 9.0]]))
+    assert pf.shortlist_configs(space, [ref, other], 1.1) == [cfgs[0], cfgs[1], cfgs[2], space[4]]
     with pytest.raises(ValueError, match="factor must be > 1"):
         pf.shortlist_configs(space, ref, 1.0)
     with pytest.raises(ValueError, match="shortlist_factor"):
@@ -183,6 +186,17 @@ def test_profile_times_only_the_shortlist_of_an_earlier_measurement(tmp_path):
     assert t.configs == want and np.isfinite(t.times).all()
     assert any(f"shortlist: {len(want)} of {len(ref.configs)} configs" in line for line in lines)
     assert rec["profile"]["space_configs"] == len(ref.configs) and rec["profile"]["timed_configs"] == len(want)
-    with pytest.raises(ValueError, match="another shape, dtype or family"):
+    with pytest.raises(ValueError, match="another shape"):
         pf.profile(pf.ProfileSpec(**(spec | {"hidden": 128}), shortlist=first["timings_file"]), tmp_path / "c",
                    log=lambda s: None)
+    with pytest.raises(ValueError, match="another dtype or family"):
+        pf.profile(pf.ProfileSpec(**spec, family="expert_major", shortlist=first["timings_file"]), tmp_path / "d",
+                   log=lambda s: None)
+    # Another shape's timings, asked for: its near-best configs that the new shape's space has.
+    wide = pf.ProfileSpec(**(spec | {"hidden": 128}), shortlist=(first["timings_file"],), shortlist_factor=1.05,
+                          shortlist_any_shape=True)
+    space = pf.family_configs(pf.resolve_shape(experts=4, top_k=2, hidden=128, intermediate=32)[0], "bfloat16",
+                              "token")[::25]
+    rec = pf.profile(wide, tmp_path / "e", log=lambda s: None)
+    t, _ = pf.load_timings(rec["timings_file"])
+    assert t.configs == pf.shortlist_configs(space, ref, 1.05) and rec["profile"]["shortlist_any_shape"]

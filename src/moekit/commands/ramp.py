@@ -132,7 +132,8 @@ def run_profile(args) -> int:
                        family=args.family, capacity=args.capacity, m_values=tuple(args.m), betas=tuple(args.betas),
                        iters=args.iters, seed=args.seed, compile_workers=args.compile_workers,
                        deadline_s=args.deadline_s, prune=args.prune, shortlist=args.shortlist,
-                       shortlist_factor=args.shortlist_factor, config_stride=args.config_stride,
+                       shortlist_factor=args.shortlist_factor, shortlist_any_shape=args.shortlist_any_shape,
+                       config_stride=args.config_stride,
                        config_offset=args.config_offset, resume=args.resume)
     profile(spec, args.out_dir, lambda s: print(s, flush=True))
     return 0
@@ -221,10 +222,13 @@ def register(sub) -> None:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no config after this many seconds (what was timed is saved: --resume goes on)")
     p.add_argument("--prune", type=float, default=None, help="keep configs within this factor of some point's best")
-    p.add_argument("--shortlist", default=None, metavar="TIMINGS",
+    p.add_argument("--shortlist", default=None, metavar="TIMINGS", action="append",
                    help="time only the configs within --shortlist-factor of some point's best in these timings "
-                        "(the same shape measured elsewhere: a profile timings file or a bench kernel table)")
+                        "(the same shape measured elsewhere: a profile timings file or a bench kernel table); "
+                        "repeat it for several (their union)")
     p.add_argument("--shortlist-factor", type=float, default=1.10, help="see --shortlist (default 1.10)")
+    p.add_argument("--shortlist-any-shape", action="store_true",
+                   help="the --shortlist timings may be of other shapes (same dtype and family)")
     p.add_argument("--config-stride", type=int, default=1, help="time every n-th config (to split a profile over calls)")
     p.add_argument("--config-offset", type=int, default=0, help="... starting at this one")
     p.add_argument("--resume", default=None, metavar="TIMINGS",

@@ -642,15 +642,30 @@ def load_any_timings(path: str | Path, shape_name: str | None = None) -> tuple[T
     return from_kernel_table(load_table(path), shape_name, path), {"family": "token", "capacity": None, "params": {}}
 
 
-def shortlist_configs(configs: list[KernelConfig], reference: Timings, factor: float) -> list[KernelConfig]:
-    """The configs that came within ``factor`` of some point's best in ``reference`` (the same
-    shape measured elsewhere, e.g. on another GPU), plus those ``reference`` did not measure:
-    a profile that times only these skips what never came near the best there."""
+def shortlist_configs(configs: list[KernelConfig], reference: Timings | list[Timings],
+                      factor: float) -> list[KernelConfig]:
+    """The configs that came within ``factor`` of some point's best in a ``reference`` (the same
+    shape measured elsewhere, e.g. on another GPU, or shapes like it), plus those no reference
+    measured: a profile that times only these skips what never came near the best there."""
     if not factor > 1:
         raise ValueError(f"the shortlist factor must be > 1, got {factor}")
-    near = {reference.configs[i] for i in prune_configs(reference, factor)}
-    measured = {c for j, c in enumerate(reference.configs) if np.isfinite(reference.times[:, j]).any()}
+    refs = [reference] if isinstance(reference, Timings) else list(reference)
+    near = {r.configs[i] for r in refs for i in prune_configs(r, factor)}
+    measured = {c for r in refs for j, c in enumerate(r.configs) if np.isfinite(r.times[:, j]).any()}
     return [c for c in configs if c in near or c not in measured]
+
+
+def _shortlist_reference(path: str, shape: MoEShape, spec) -> Timings:
+    """The timings of one ``--shortlist`` file, checked: the same dtype and family, and the same
+    shape unless ``spec.shortlist_any_shape``."""
+    ref, meta = load_any_timings(path, shape.name)
+    dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.intermediate)  # noqa: E731
+    if ref.dtype != spec.dtype or meta["family"] != spec.family:
+        raise ValueError(f"{path}: its timings are of another dtype or family ({ref.dtype}, {meta['family']})")
+    if dims(ref.shape) != dims(shape) and not spec.shortlist_any_shape:
+        raise ValueError(f"{path}: its timings are of another shape {dims(ref.shape)}; a shortlist comes from the "
+                         "same shape measured elsewhere, or pass shortlist_any_shape (--shortlist-any-shape)")
+    return ref
 
 
 def prune_configs(t: Timings, factor: float) -> list[int]:
@@ -681,8 +696,9 @@ class ProfileSpec:
     compile_workers: int | None = None
     deadline_s: float | None = None
     prune: float | None = None  # keep in the model only configs within this factor of a point's best
-    shortlist: str | None = None  # time only the configs near the best in these timings (same shape)
+    shortlist: str | tuple[str, ...] | None = None  # time only the configs near the best in these timings
     shortlist_factor: float = 1.10
+    shortlist_any_shape: bool = False  # the shortlist's timings may be of other shapes (same dtype and family)
     form: dict | None = None  # a ModelForm's fields; None: the default form
     config_stride: int = 1  # profile every n-th config of the space (CPU tests; splitting a space)
     config_offset: int = 0
@@ -707,6 +723,9 @@ class ProfileSpec:
             raise ValueError(f"prune must be a factor > 1, got {self.prune}")
         if not self.shortlist_factor > 1:
             raise ValueError(f"shortlist_factor must be > 1, got {self.shortlist_factor}")
+        if isinstance(self.shortlist, str):
+            self.shortlist = (self.shortlist,)
+        self.shortlist = tuple(self.shortlist) if self.shortlist else None
 
 
 def _resumed(spec: ProfileSpec, shape: MoEShape, routed: int, configs: list[KernelConfig],
@@ -758,15 +777,10 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
         raise ValueError(f"config_offset={spec.config_offset} leaves no config of the {spec.family} space")
     space = len(configs)
     if spec.shortlist:
-        ref, ref_meta = load_any_timings(spec.shortlist, shape.name)
-        if (ref.shape.num_experts, ref.shape.top_k, ref.shape.hidden, ref.shape.intermediate) != \
-                (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate) or ref.dtype != spec.dtype \
-                or ref_meta["family"] != spec.family:
-            raise ValueError(f"{spec.shortlist}: its timings are of another shape, dtype or family; "
-                             f"a shortlist comes from the same shape measured elsewhere")
-        configs = shortlist_configs(configs, ref, spec.shortlist_factor)
+        refs = [_shortlist_reference(path, shape, spec) for path in spec.shortlist]
+        configs = shortlist_configs(configs, refs, spec.shortlist_factor)
         log(f"shortlist: {len(configs)} of {space} configs came within {spec.shortlist_factor:g}x of a point's best "
-            f"in {spec.shortlist}")
+            f"in {', '.join(spec.shortlist)}")
     points = grid_points(spec.m_values, spec.betas, spec.seed)
     hw = hardware_for(device=timer.device if timer.on_gpu else None)
     est = estimate_seconds(shape, len(configs), points, spec.family, timer.on_gpu, spec.iters, spec.warmup,
@@ -819,6 +833,7 @@ def profile(spec: ProfileSpec, out_dir: str | Path | None, log: Callable[[str], 
                     "timed_configs": len(configs), "space_configs": space, "kept_configs": len(kept),
                     "prune": spec.prune, "shortlist": spec.shortlist,
                     "shortlist_factor": spec.shortlist_factor if spec.shortlist else None,
+                    "shortlist_any_shape": spec.shortlist_any_shape if spec.shortlist else None,
                     "failed": len(run.errors), "incomplete": run.incomplete, "complete_m": run.complete_m,
                     "resumed_from": spec.resume,
                     "fit_regret_mean": fit_regret.mean, "fit_regret_max": fit_regret.max,
