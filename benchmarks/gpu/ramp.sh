@@ -30,7 +30,10 @@
 #     98-142 s (first launches of the FP8 binaries), M = 64 another 87 s: ~400 s in all. Give it
 #     the default deadline in one call: a resumed call pays compile and loading again.
 #   With --shortlist FILE --shortlist-factor 1.1 (extra options go to the profile): deepseek-v3-tp8
-#     149 of 317 configs in 254 s.
+#     149 of 317 configs in 254 s, mixtral-8x7b 180 in 362 s, deepseek-v3-ep32 234 in 240 s.
+#   FP8 of the other presets from the qwen3 and olmoe FP8 profiles (99 of 186 configs, ~250 s):
+#     --shortlist benchmarks/results/ramp-nvidia-h100/qwen3-30b-a3b-fp8/profile-*-timings.json.gz
+#     --shortlist benchmarks/results/ramp-nvidia-h100/olmoe-1b-7b-fp8/profile-*-timings.json.gz --shortlist-any-shape
 #   eval call (a fresh machine compiles again): compile ~85 s + loading ~65 s + 5 token counts
 #     x 6 routings (4, 32, 128, 512, 4096; betas 1.0 .. 0.45 + Zipf 1.2; olmoe-1b-7b adds 10
 #     recorded calls of benchmarks/traces/, about a third more timing) ~150 s + the selector
