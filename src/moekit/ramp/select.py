@@ -772,12 +772,16 @@ def model_selector_for(E: int, K: int | None, H: int, N: int, *, dtype, device, 
     return selector_for(E, K, H, N, dtype=dtype, device=dev, family=family, capacity=capacity)
 
 
+def _weight_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int, torch.dtype]:
+    """(E, H, N, the model's precision) of the experts' weights: e4m3 weights select FP8 models."""
+    return w13.shape[0], w13.shape[2], w2.shape[2], _FP8 if w13.dtype == _FP8 else torch.bfloat16
+
+
 def auto_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, layer=None) -> KernelConfig:
     """``fused_moe(..., config="auto")``: the config for this call's routing (weights give the
     shape and precision: FP8 weights select the FP8 model)."""
-    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
-    sel = selector_for(E, topk_ids.shape[1], H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16,
-                       device=topk_ids.device)
+    E, H, N, dtype = _weight_dims(w13, w2)
+    sel = selector_for(E, topk_ids.shape[1], H, N, dtype=dtype, device=topk_ids.device)
     return sel.auto(topk_ids.shape[0], topk_ids=topk_ids, layer=layer)
 
 
@@ -786,9 +790,8 @@ def auto_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Ten
     """``fused_moe_expert_major(..., config="auto")`` / ``FusedExperts(config="auto")``: the
     config for a dispatcher's ``counts`` (one per local expert), keyed by the capacity.
     ``top_k``: the router's K where known (it names the model file; None: any K's file)."""
-    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
-    sel = selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16, device=counts.device,
-                       family="expert_major", capacity=capacity)
+    E, H, N, dtype = _weight_dims(w13, w2)
+    sel = selector_for(E, top_k, H, N, dtype=dtype, device=counts.device, family="expert_major", capacity=capacity)
     return sel.auto(capacity, counts=counts, layer=layer)
 
 
@@ -797,9 +800,9 @@ def ramp_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Ten
     """``FusedExperts``' default: where a fitted model of this shape exists for the GPU, RaMP's
     choice with ``reads="when_pays"`` (the static choice, and a live read only at capacities
     where the model predicts it pays); None where no model exists (the caller runs its default)."""
-    E, H, N = w13.shape[0], w13.shape[2], w2.shape[2]
-    sel = model_selector_for(E, top_k, H, N, dtype=_FP8 if w13.dtype == _FP8 else torch.bfloat16,
-                             device=counts.device, family="expert_major", capacity=capacity)
+    E, H, N, dtype = _weight_dims(w13, w2)
+    sel = model_selector_for(E, top_k, H, N, dtype=dtype, device=counts.device, family="expert_major",
+                             capacity=capacity)
     return None if sel is None else sel.auto(capacity, counts=counts, layer=layer, reads="when_pays")
 
 
