@@ -55,3 +55,30 @@ def test_fallback_never_slower_than_the_torch_baseline_on_the_dataset():
         r = fallback_check(from_kernel_table(table, name), HARDWARE["h200"])
         assert r["not_timed"] == 0
         assert r["slower_than_baseline"] == 0 and r["vs_baseline_min"] > 1.0, (name, r)
+
+
+H100_FP8 = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "ramp-nvidia-h100")
+                  .glob("*-fp8/profile-h100-*-float8_e4m3fn-token-timings.json.gz"))
+
+
+@pytest.mark.parametrize("path", H100_FP8, ids=lambda p: p.parent.name)
+def test_fp8_fallback_beats_default_config_on_the_h100_profiles(path):
+    """FP8's estimate (bf16 MMA rate, slower large blocks) against measured FP8 profiles: the
+    fallback's choice loses less to the best config than the kernel's static default does."""
+    from moekit.kernels.configs import default_config
+    from moekit.ramp.analysis import fallback_check, regret_of_choices
+    from moekit.ramp.profile import load_any_timings
+
+    t, _ = load_any_timings(path)
+    index = {c: i for i, c in enumerate(t.configs)}
+    if any(c not in index for c in fb.templates(t.shape, HARDWARE["h100"], torch.float8_e4m3fn, t.routed_experts)):
+        pytest.skip("a shortlisted profile that did not time every template")
+    # A shortlisted profile may not have timed the default at every token count.
+    t = t.select_points(lambda p: default_config(p.M, t.shape, dtype=torch.float8_e4m3fn) in index)
+    assert len(t.points) >= 15
+    r = fallback_check(t, HARDWARE["h100"])
+    defaults = [index[default_config(p.M, t.shape, dtype=torch.float8_e4m3fn)] for p in t.points]
+    default_mean = float(regret_of_choices(t, defaults).mean())
+    assert r["not_timed"] == 0
+    assert r["mean"] < 0.5 * default_mean, (r, default_mean)
+    assert r["slower_than_baseline"] == 0, r

@@ -35,6 +35,14 @@ WGMMA_ROWS = 64  # Hopper's warpgroup MMA takes 64-row left operands: fewer rows
 FULL_RATE_BN = 128  # narrower output tiles reach this fraction of the tensor rate: bn / 128
 L2_OVER_HBM = 2.5  # L2 bandwidth over HBM bandwidth (H100 / H200, rough)
 DEFAULT_RATES = (4300.0, 790.0)  # GB/s, TFLOP/s where the hardware does not say
+# The block-scaled W8A8 kernels' MMAs reach about the bf16 rate, not twice it: the accumulator is
+# rescaled after every 128-deep k-block, which waits for that block's MMAs (docs/ramp.md).
+FP8_RATE_OVER_BF16 = 1.0
+FP8_WARPS_64 = 8  # FP8 64-row tiles take two warpgroups: one alone waits out each rescale
+# FP8 calls with larger token blocks run this much slower than the estimate says, relative to
+# 16-row blocks (measured / estimated, medians over the qwen3-30b-a3b and olmoe-1b-7b H100 FP8
+# profiles, which agree within 0.1; checked on the other FP8 profiles: docs/ramp.md).
+FP8_BLOCK_FACTOR = {16: 1.0, 32: 1.4, 64: 1.5, 128: 1.8}
 
 # (bm, bn, bk, warps, stages, swizzle allowed, GEMM2 tile) of the bf16 templates; FP8's use
 # bn = bk = 128 (see templates()).
@@ -64,6 +72,7 @@ def templates(shape: MoEShape, hw: Hardware, dtype: torch.dtype = torch.bfloat16
     for bm, bn, bk, warps, stages, swizzle, bn2 in _TEMPLATES:
         if fp8:
             bn, bk, bn2 = max(bn, 128), 128, 0
+            warps = FP8_WARPS_64 if bm == 64 else warps
         for sk in splits if not bn2 else (1,):
             c = KernelConfig(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
                              group_m=g if swizzle else 1, split_k=sk, form="two_launch", bn2=bn2,
@@ -85,7 +94,7 @@ def estimate_us(shape: MoEShape, config: KernelConfig, counts, M: int, hw: Hardw
     H, N = shape.hidden, shape.intermediate
     gbps, tflops = hw.hbm_gbps or DEFAULT_RATES[0], hw.bf16_tflops or DEFAULT_RATES[1]
     if elem_bytes == 1:
-        tflops *= 2
+        tflops *= FP8_RATE_OVER_BF16
     peak_sm = tflops * 1e6 / hw.sms  # flop per µs per SM
     l2_sm = L2_OVER_HBM * gbps * 1e3 / hw.sms  # bytes per µs per SM
     waves_us = 0.0
@@ -104,14 +113,17 @@ def estimate_us(shape: MoEShape, config: KernelConfig, counts, M: int, hw: Hardw
         if launch.name == "persistent-1":  # each unit is one share of a tile's reduction
             flops /= max(1, G // max(1, x * launch.per_block))
         # Rows padded to the warpgroup MMA's 64, narrow tiles below the full rate. (A heuristic
-        # calibrated on the H200 dataset: docs/ramp.md.)
-        flops *= max(c.bm, WGMMA_ROWS) / c.bm / min(1.0, bn / FULL_RATE_BN)
+        # calibrated on the H200 dataset: docs/ramp.md.) Swapped FP8 dots put the tokens on the
+        # MMA's narrow side, which needs no padding.
+        rows = c.bm if c.swap_ab else max(c.bm, WGMMA_ROWS)
+        flops *= rows / c.bm / min(1.0, bn / FULL_RATE_BN)
         operand_bytes = (c.bm * K + (2 if first else 1) * bn * K) * elem_bytes
         per_cta = max(flops / peak_sm, operand_bytes / l2_sm)
         waves_us += math.ceil(G / S) * per_cta * (S / hw.sms)
     weights_us = active * 3 * H * N * elem_bytes / (gbps * 1e3)
     fixed = LAUNCH_US * len(plan.launches) + (ALIGN_US if plan.path == "sorted" else 0.0)
-    return fixed + max(waves_us, weights_us)
+    factor = FP8_BLOCK_FACTOR.get(c.bm, 1.0) if elem_bytes == 1 else 1.0
+    return fixed + factor * max(waves_us, weights_us)
 
 
 def fallback_choice(shape: MoEShape, counts, M: int, hw: Hardware, dtype: torch.dtype = torch.bfloat16,
