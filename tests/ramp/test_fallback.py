@@ -57,8 +57,12 @@ def test_fallback_never_slower_than_the_torch_baseline_on_the_dataset():
         assert r["slower_than_baseline"] == 0 and r["vs_baseline_min"] > 1.0, (name, r)
 
 
-H100_FP8 = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "ramp-nvidia-h100")
-                  .glob("*-fp8/profile-h100-*-float8_e4m3fn-token-timings.json.gz"))
+H100_RAMP = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "ramp-nvidia-h100"
+# The FP8 profiles that timed every fallback template. mixtral-8x7b's shortlisted profile did not
+# time 4 of its 14, and where its choice was timed the fallback loses to default_config there
+# (docs/ramp.md, "No model file: the fallback").
+H100_FP8 = [H100_RAMP / f"{name}-fp8" / f"profile-h100-{name}-float8_e4m3fn-token-timings.json.gz"
+            for name in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "deepseek-v3-ep32")]
 
 
 @pytest.mark.parametrize("path", H100_FP8, ids=lambda p: p.parent.name)
@@ -71,8 +75,7 @@ def test_fp8_fallback_beats_default_config_on_the_h100_profiles(path):
 
     t, _ = load_any_timings(path)
     index = {c: i for i, c in enumerate(t.configs)}
-    if any(c not in index for c in fb.templates(t.shape, HARDWARE["h100"], torch.float8_e4m3fn, t.routed_experts)):
-        pytest.skip("a shortlisted profile that did not time every template")
+    assert all(c in index for c in fb.templates(t.shape, HARDWARE["h100"], torch.float8_e4m3fn, t.routed_experts))
     # A shortlisted profile may not have timed the default at every token count.
     t = t.select_points(lambda p: default_config(p.M, t.shape, dtype=torch.float8_e4m3fn) in index)
     assert len(t.points) >= 15
