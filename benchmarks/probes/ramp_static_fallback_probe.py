@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,10 +30,9 @@ from moekit.kernels.configs import default_config
 from moekit.kernels.expert_major import expert_major_default
 from moekit.ramp.dataset import from_kernel_table
 from moekit.ramp.fallback import estimate_us, fallback_choice, templates
-from moekit.ramp.graphs import SWEEP_BETAS, SWEEP_ZIPF
+from moekit.ramp.graphs import routing_sweep
 from moekit.ramp.profile import load_any_timings
 from moekit.ramp.regions import hardware_for
-from moekit.routing import synthetic_routing
 
 H200 = "benchmarks/results/kernel-nvidia-h200/kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz"
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3-tp8", "deepseek-v3-ep32")
@@ -40,11 +40,8 @@ CAPACITY = 256  # the expert-major records' capacity
 
 
 def sweep(shape, routed: int, M: int) -> list[np.ndarray]:
-    out = []
-    for kw in [dict(beta=b) for b in SWEEP_BETAS] + [dict(zipf=z) for z in SWEEP_ZIPF]:
-        ids, _ = synthetic_routing(M, routed, shape.top_k, seed=1000, weights=False, **kw)
-        out.append(np.bincount(ids[ids < shape.num_experts].numpy(), minlength=shape.num_experts))
-    return out
+    """The selector's routing sweep (one seed) for a shape without a selector."""
+    return routing_sweep(SimpleNamespace(shape=shape), M, seeds=1, routed=routed)
 
 
 def score(t, hw, expert_major: bool) -> dict:
