@@ -98,6 +98,27 @@ def test_triton_selection_matches_torch_on_the_gpu():
         assert float(c_t) == pytest.approx(np.nanmin(pred), rel=1e-5)
 
 
+def test_an_empty_histogram_selects_the_same_row_in_triton_torch_and_the_model():
+    """Every slot masked (no pair reaches this shard): the Triton kernel, the torch path and the
+    host model take the least empty-call rank, and the fused call with it runs and is zero."""
+    rng = np.random.default_rng(2)
+    configs = config_space(SHAPE)[::3]
+    model = _model(configs, [((1.0 if c.split_k > 1 else 20.0) + rng.uniform(0, 1), rng.uniform(0, 3))
+                             for c in configs])
+    dm = sel.device_model(model, DEV)
+    zeros = np.zeros(SHAPE.num_experts, dtype=np.int64)
+    for M in (4, 200):
+        ids = torch.full((M, SHAPE.top_k), -1, dtype=torch.int64, device=DEV)
+        r_t, c_t = sel.choose_device(dm, M, topk_ids=ids, num_experts=SHAPE.num_experts, use_triton=True)
+        r_p, c_p = sel.choose_device(dm, M, topk_ids=ids, num_experts=SHAPE.num_experts, use_triton=False)
+        i = model.choose(zeros, M)
+        assert dm.rows[int(r_t)] == dm.rows[int(r_p)] == i and configs[i].split_k == 1
+        assert float(c_t) == pytest.approx(float(c_p), rel=1e-5)
+        x, w13, w2 = _inputs(M)
+        y = fused_moe(x, w13, w2, ids, torch.rand(M, SHAPE.top_k, device=DEV), configs[i])
+        assert torch.equal(y, torch.zeros_like(y))
+
+
 def test_graphed_reads_choose_what_the_eager_selection_chooses():
     """The captured selection (one graph per token count, its input copied in) gives the eager
     selection's config for every new routing, from topk_ids and from counts."""

@@ -12,6 +12,7 @@ import torch
 
 from moekit.kernels.configs import config_space
 from moekit.ramp import select as sel
+from moekit.ramp import costmodel as cm
 from moekit.ramp.costmodel import ModelForm
 from moekit.routing import synthetic_routing
 from moekit.shapes import MoEShape
@@ -73,6 +74,54 @@ def test_expert_major_choice_clamps_to_capacity(use_triton):
     row, cost = sel.choose_device(dm, 32, counts=counts, use_triton=use_triton)
     ref_i, ref_cost = _loop_argmin(model, counts.numpy(), 32)
     assert float(cost) == pytest.approx(ref_cost, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["token", "expert_major"])
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_an_empty_histogram_takes_the_least_empty_call_rank(family, use_triton):
+    """No routed pair (an expert-parallel shard no token routes to): every grid is empty, so the
+    choice is the empty-call rank's least (no split-K, fewest launches, fewest column tiles),
+    not the least intercept, which here is a split-K variant's."""
+    if use_triton:
+        pytest.importorskip("triton")
+    rng = np.random.default_rng(6)
+    space = config_space(SHAPE)
+    if family == "expert_major":
+        space = [c for c in space if c.form == "two_launch"]
+    cfgs = space[::2]
+    assert any(c.split_k > 1 for c in cfgs) and any(c.split_k == 1 for c in cfgs)
+    model = synthetic_model(SHAPE, cfgs, rng, family=family, capacity=32 if family == "expert_major" else None)
+    for (i, _), v in model.variants.items():  # the least intercepts belong to split-K variants
+        v.coef[0] = (1.0 if model.configs[i].split_k > 1 else 50.0) + rng.uniform(0, 1)
+    dm = sel.device_model(model, "cpu", capacity=32 if family == "expert_major" else None)
+    zeros = np.zeros(SHAPE.num_experts, dtype=np.int64)
+    for M in (3, 40):
+        i = model.choose(zeros, M)
+        pred = model.predict(zeros, M)
+        ranks = [cm.empty_call_rank(c, model.plan(k, M)) for k, c in enumerate(model.configs) if np.isfinite(pred[k])]
+        assert cm.empty_call_rank(model.configs[i], model.plan(i, M)) == min(ranks)
+        assert model.configs[i].split_k == 1 and np.nanargmin(pred) != i
+        if family == "token":
+            assert model.configs[i].form == "fused"  # one launch
+        ids = torch.full((M, SHAPE.top_k), -1, dtype=torch.int64)  # every slot masked
+        row, cost = sel.choose_device(dm, M, topk_ids=ids, num_experts=SHAPE.num_experts, use_triton=use_triton)
+        assert dm.rows[int(row)] == i and float(cost) == pytest.approx(pred[i], rel=1e-5)
+        row2, _ = sel.choose_device(dm, M, counts=torch.zeros(SHAPE.num_experts, dtype=torch.int32),
+                                    use_triton=use_triton)
+        assert int(row2) == int(row)
+        # one routed pair: the model's argmin again
+        ids[0, 0] = 1
+        row3, _ = sel.choose_device(dm, M, topk_ids=ids, num_experts=SHAPE.num_experts, use_triton=use_triton)
+        one = model.predict(sel.histogram(ids, SHAPE.num_experts).numpy(), M)
+        assert float(one[dm.rows[int(row3)]]) == pytest.approx(np.nanmin(one), rel=1e-5)
+    # Candidates that all split K (a graph's few winners): still a valid row, the least rank.
+    split = [k for k, c in enumerate(model.configs) if c.split_k > 1]
+    sub = sel.device_model(model, "cpu", capacity=32 if family == "expert_major" else None, configs=split)
+    row, cost = sel.choose_device(sub, 40, counts=torch.zeros(SHAPE.num_experts, dtype=torch.int32),
+                                  use_triton=use_triton)
+    assert 0 <= int(row) < sub.num_variants and np.isfinite(float(cost))
+    assert float(sub.empty_rank[int(row)]) == float(sub.empty_rank[torch.isfinite(
+        sel.costs_torch(sub, torch.zeros(SHAPE.num_experts, dtype=torch.int32), 40))].min())
 
 
 def _selector():

@@ -32,6 +32,11 @@ ordinary least squares (:func:`fit`) from the profiling points that run it.
 
 The ablation's 2- and 3-term forms: ``alpha + beta * G / S`` and ``alpha + beta * W +
 gamma * G`` (``ModelForm(terms=2|3)``).
+
+A histogram with no routed pair (an expert-parallel shard that no token of the call routes to)
+has an empty grid for every configuration, so the model would compare intercepts fitted on
+calls with work. The choice there follows :func:`empty_call_rank` instead: what an empty call
+still pays is its launches, its split-K bookkeeping and the CTAs that start and find no block.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from moekit.shapes import MoEShape
 PHIS = ("sqrt", "log", "quad")
 WAVES = ("ceil", "ratio")
 WEIGHTINGS = ("ols", "relative")
+# empty_call_rank's weight of one launch: above any config's column tiles per token block.
+EMPTY_LAUNCH_RANK = 2 ** 20
 N_COEF = 6  # alpha, beta, gamma, delta, epsilon (active experts), zeta (routed pairs)
 COEF_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")
 
@@ -192,6 +199,15 @@ def _nonneg_lstsq(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+def empty_call_rank(config: KernelConfig, plan: GridPlan) -> float:
+    """The order in which configurations are taken for a histogram with no pair (least
+    first): without split-K before with it (its partial sums are set up and reduced whatever
+    the grid), fewer launches before more, then fewer column tiles per token block (the CTAs an
+    upper-bound grid still starts). An integer below 2**24, exact in float32."""
+    launches = len(plan.launches) + (2 if config.split_k > 1 else 0)
+    return float(launches * EMPTY_LAUNCH_RANK + sum(ln.per_block for ln in plan.launches))
+
+
 @dataclass
 class Variant:
     """The fit of one (configuration, path): coefficients (alpha, beta, gamma, delta), whether
@@ -214,7 +230,8 @@ class CostModel:
     """Fitted variants of one shape's configurations on one GPU.
 
     ``predict(counts, M)`` gives every configuration's predicted µs (NaN where the variant
-    its path needs was not fitted); ``choose`` the argmin.
+    its path needs was not fitted); ``choose`` the argmin (:func:`empty_call_rank`'s least
+    for a histogram with no pair).
     """
 
     shape: MoEShape
@@ -254,10 +271,16 @@ class CostModel:
         return out
 
     def choose(self, counts, M: int) -> int:
-        """The configuration with the least predicted time (the first of equals)."""
+        """The configuration with the least predicted time (the first of equals); for a
+        histogram with no pair, the least :func:`empty_call_rank` among the fitted ones."""
         pred = self.predict(counts, M)
         if np.all(np.isnan(pred)):
             raise ValueError(f"no fitted configuration covers M={M}")
+        vals = counts.tolist() if hasattr(counts, "tolist") else list(counts)
+        if not any(int(n) > 0 for n in vals):
+            ranks = [empty_call_rank(c, self.plan(i, M)) if np.isfinite(pred[i]) else np.inf
+                     for i, c in enumerate(self.configs)]
+            return int(np.argmin(ranks))
         return int(np.nanargmin(pred))
 
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from moekit.kernels.configs import KernelConfig
-from moekit.ramp.costmodel import PHIS, CostModel
+from moekit.ramp.costmodel import PHIS, CostModel, empty_call_rank
 from moekit.ramp.fallback import fallback_choice, templates
 from moekit.ramp.modelfile import dtype_name, find_model, load_model, model_filename
 from moekit.ramp.regions import Hardware, hardware_for, grid_plan
@@ -90,7 +90,8 @@ class DeviceModel:
     128), ``direct`` [V] 1 / 0 for the token path's direct / sorted variants (-1: always
     valid, the expert-major family), ``bm`` [V]; per launch (up to two): ``per_block``,
     ``slots``, ``split_fill``, ``max_splits`` [V, 2] (see :class:`moekit.ramp.regions.Launch`;
-    a missing launch has per_block 0); ``coef`` [V, 6] float32.
+    a missing launch has per_block 0); ``coef`` [V, 6] float32; ``empty_rank`` [V] float32
+    (:func:`moekit.ramp.costmodel.empty_call_rank`, the order for a histogram with no pair).
     """
 
     config: torch.Tensor
@@ -102,6 +103,7 @@ class DeviceModel:
     split_fill: torch.Tensor
     max_splits: torch.Tensor
     coef: torch.Tensor
+    empty_rank: torch.Tensor
     wave_ceil: bool
     ratio_waves: bool  # the 2-term form's wave feature: sum of G / S
     phi: int  # index into PHIS
@@ -130,6 +132,7 @@ def device_model(model: CostModel, device: torch.device | str, capacity: int | N
     ints["max_splits"][:] = 1
     cfg, bm_index, direct, bm = (np.zeros(V, dtype=np.int64) for _ in range(4))
     coef = np.zeros((V, 6), dtype=np.float64)
+    empty_rank = np.zeros(V, dtype=np.float64)
     for r, (i, path) in enumerate(rows):
         c = model.configs[i]
         if model.family == "token":
@@ -150,6 +153,7 @@ def device_model(model: CostModel, device: torch.device | str, capacity: int | N
             ints["split_fill"][r, k] = ln.split_fill
             ints["max_splits"][r, k] = ln.max_splits
         cfg[r], bm_index[r], bm[r] = i, BMS.index(c.bm), c.bm
+        empty_rank[r] = empty_call_rank(c, plan)
         v = model.variants[(i, path)]
         coef[r] = v.coef
         # The terms features() leaves at 0 for this variant's form contribute nothing here either.
@@ -165,6 +169,7 @@ def device_model(model: CostModel, device: torch.device | str, capacity: int | N
         torch.as_tensor(bm, **i32), *(torch.as_tensor(ints[k], **i32).contiguous()
                                        for k in ("per_block", "slots", "split_fill", "max_splits")),
         torch.as_tensor(coef, dtype=torch.float32, device=device).contiguous(),
+        torch.as_tensor(empty_rank, dtype=torch.float32, device=device),
         wave_ceil=model.form.wave == "ceil" and model.form.terms > 2, ratio_waves=model.form.terms == 2,
         phi=PHIS.index(model.form.phi), capacity=cap or 0, rows=[int(i) for i in cfg])
 
@@ -213,6 +218,14 @@ def costs_torch(dm: DeviceModel, counts: torch.Tensor, M: int) -> torch.Tensor:
     return torch.where(valid, cost, torch.full_like(cost, float("inf")))
 
 
+def selection_keys(dm: DeviceModel, counts: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """[V] what the argmin runs over: ``cost`` (:func:`costs_torch`), or for a histogram with no
+    pair the empty-call rank where the cost is finite (no host sync)."""
+    empty = (counts.to(torch.int64).clamp(min=0).sum() == 0)
+    ranked = torch.where(torch.isfinite(cost), dm.empty_rank, torch.full_like(cost, float("inf")))
+    return torch.where(empty, ranked, cost)
+
+
 # ----------------------------------------------------------------- evaluation (Triton)
 
 if HAVE_TRITON:
@@ -250,12 +263,13 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["num_ids", "num_experts", "capacity", "M", "num_variants"])
     def _select_kernel(ids_ptr, num_ids, counts_ptr, num_experts, capacity, M,
                        bm_index_ptr, direct_ptr, bm_ptr, per_block_ptr, slots_ptr, fill_ptr, maxs_ptr, coef_ptr,
-                       num_variants, out_ptr,
+                       empty_rank_ptr, num_variants, out_ptr,
                        FROM_IDS: tl.constexpr, EP: tl.constexpr, BLOCK_IDS: tl.constexpr, BLOCK_V: tl.constexpr,
                        WAVE_CEIL: tl.constexpr, PHI: tl.constexpr):
         """One program: the expert histogram (from ids, or the counts clamped to ``capacity``
-        when > 0), every variant's cost, the argmin (the first of equals). out[0] = the best
-        row (as a float32), out[1] = its cost."""
+        when > 0), every variant's cost, the argmin (the first of equals; of the empty-call
+        ranks where the histogram has no pair). out[0] = the best row (as a float32), out[1] =
+        its cost."""
         e = tl.arange(0, EP)
         if FROM_IDS:
             hist = tl.zeros((EP,), dtype=tl.int32)
@@ -278,6 +292,7 @@ if HAVE_TRITON:
         b128 = tl.sum((n + 127) // 128, 0)
         active = tl.sum((n > 0).to(tl.float32), 0)
         pairs = tl.sum(n.to(tl.float32), 0)
+        best_key = tl.full((), float("inf"), tl.float32)
         best = tl.full((), float("inf"), tl.float32)
         best_row = tl.full((), -1, tl.int32)
         v0 = 0
@@ -299,11 +314,15 @@ if HAVE_TRITON:
             bm = tl.load(bm_ptr + rows, mask=valid, other=1)
             path_ok = (direct < 0) | ((direct == 1) == (M <= bm))
             cost = tl.where(valid & path_ok, cost, float("inf"))
-            chunk_best = tl.min(cost, 0)
-            chunk_row = (v0 + tl.argmin(cost, 0)).to(tl.int32)
-            take = chunk_best < best
-            best_row = tl.where(take, chunk_row, best_row)
-            best = tl.where(take, chunk_best, best)
+            rank = tl.load(empty_rank_ptr + rows, mask=valid, other=0.0)
+            key = tl.where(pairs == 0, tl.where(valid & path_ok, rank, float("inf")), cost)
+            chunk_key = tl.min(key, 0)
+            at = tl.argmin(key, 0)
+            chunk_cost = tl.sum(tl.where(tl.arange(0, BLOCK_V) == at, cost, 0.0), 0)
+            take = chunk_key < best_key
+            best_row = tl.where(take, (v0 + at).to(tl.int32), best_row)
+            best_key = tl.where(take, chunk_key, best_key)
+            best = tl.where(take, chunk_cost, best)
             v0 += BLOCK_V
         tl.store(out_ptr, best_row.to(tl.float32))  # exact: rows < 2**24
         tl.store(out_ptr + 1, best)
@@ -330,7 +349,7 @@ def choose_device(dm: DeviceModel, M: int, *, topk_ids: torch.Tensor | None = No
     if not use_triton:
         n = histogram(topk_ids, E) if topk_ids is not None else counts
         cost = costs_torch(dm, n, M)
-        row = torch.argmin(cost)
+        row = torch.argmin(selection_keys(dm, n, cost))
         return row.to(torch.int32), cost[row]
     out = torch.empty(2, dtype=torch.float32, device=src.device)
     ids = topk_ids.reshape(-1).contiguous() if topk_ids is not None else out
@@ -338,7 +357,7 @@ def choose_device(dm: DeviceModel, M: int, *, topk_ids: torch.Tensor | None = No
     _select_kernel[(1,)](
         ids, ids.numel() if topk_ids is not None else 0, cnt, E, dm.capacity, M,
         dm.bm_index, dm.direct, dm.bm, dm.per_block, dm.slots, dm.split_fill, dm.max_splits, dm.coef,
-        dm.num_variants, out,
+        dm.empty_rank, dm.num_variants, out,
         FROM_IDS=topk_ids is not None, EP=max(16, triton.next_power_of_2(E)), BLOCK_IDS=BLOCK_IDS,
         BLOCK_V=BLOCK_V, WAVE_CEIL=dm.wave_ceil and not dm.ratio_waves, PHI=dm.phi, num_warps=4)
     return out[0].to(torch.int32), out[1]
