@@ -112,17 +112,18 @@ def test_shipped_models_load():
         mf.load_model(path)
 
 
-@pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", "bf16"), ("olmoe-1b-7b", "bf16"), ("deepseek-v3-tp8", "bf16"),
-                                        ("mixtral-8x7b", "bf16"), ("deepseek-v3-ep32", "bf16"),
-                                        ("qwen3-30b-a3b", "fp8"), ("olmoe-1b-7b", "fp8")])
-def test_shipped_h100_token_models_are_found_for_their_presets(name, dtype, monkeypatch):
+@pytest.mark.parametrize("gpu,name,dtype", [
+    *(("h100", n, d) for d in ("bf16", "fp8")
+      for n in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "mixtral-8x7b", "deepseek-v3-ep32")),
+    *(("h200", n, "bf16") for n in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "mixtral-8x7b"))])
+def test_shipped_token_models_are_found_for_their_presets(gpu, name, dtype, monkeypatch):
     from moekit.ramp.profile import resolve_shape
 
     monkeypatch.delenv(mf.ENV_DIRS, raising=False)
     shape, _ = resolve_shape(name)
-    path = mf.find_model(shape, "h100", dtype)
+    path = mf.find_model(shape, gpu, dtype)
     assert path is not None and path.parent == mf.SHIPPED
-    model, meta = mf.load_model(path, shape=shape, gpu="h100", dtype=dtype, family="token")
+    model, meta = mf.load_model(path, shape=shape, gpu=gpu, dtype=dtype, family="token")
     assert meta["profile"]["complete_m"] == meta["profile"]["m_values"]  # only complete profiles ship
 
 
