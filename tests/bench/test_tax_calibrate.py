@@ -186,8 +186,10 @@ def test_ramp_model_file_prices_the_kernel_where_it_covers_the_shape(monkeypatch
     for m in (1025, 4096):
         assert cost(np.bincount(rng.integers(0, 128, m * 8), minlength=128), m) is None
     assert cost(np.zeros(64), 4) is None  # another expert count: not covered
-    for shape, gpu in ((qwen3, "h200"), (tax_shape("qwen2-moe"), "h100")):
-        c, _, why = ramp_kernel_cost(shape, gpu)
+    c, _, note = ramp_kernel_cost(qwen3, "h200")  # each GPU its own file
+    assert c is not None and "h200-bfloat16-token-E128-K8-H2048-N768.json" in note
+    for gpu in ("h200", "h100"):
+        c, _, why = ramp_kernel_cost(tax_shape("qwen2-moe"), gpu)
         assert c is None and "no RaMP model file" in why
 
 
