@@ -273,8 +273,12 @@ class CostModel:
     def choose(self, counts, M: int) -> int:
         """The configuration with the least predicted time (the first of equals); for a
         histogram with no pair, the least :func:`empty_call_rank` among the fitted ones."""
-        pred = self.predict(counts, M)
-        if np.all(np.isnan(pred)):
+        return self.choose_predicted(counts, M, self.predict(counts, M))
+
+    def choose_predicted(self, counts, M: int, pred: np.ndarray) -> int:
+        """:meth:`choose` with ``pred = predict(counts, M)`` already at hand (NaN or inf where a
+        configuration has no fitted variant)."""
+        if not np.isfinite(pred).any():
             raise ValueError(f"no fitted configuration covers M={M}")
         vals = counts.tolist() if hasattr(counts, "tolist") else list(counts)
         if not any(int(n) > 0 for n in vals):

@@ -60,7 +60,7 @@ def graph_candidates(selector: Selector, M: int, k: int = 3, histograms: list[np
     hists = histograms if histograms is not None else routing_sweep(selector, M)
     preds = np.stack([selector.model.predict(h, M) for h in hists])  # [routings, configs]
     preds = np.where(np.isfinite(preds), preds, np.inf)
-    picks = Counter(int(np.argmin(p)) for p in preds)
+    picks = Counter(selector.model.choose_predicted(h, M, p) for h, p in zip(hists, preds))
     cands = [i for i, _ in picks.most_common(k)]
     static = int(np.argmin(preds.mean(axis=0)))
     if static not in cands:

@@ -638,8 +638,10 @@ class Selector:
         if not self.fallback and static in self.configs:
             from moekit.ramp.graphs import routing_sweep
 
-            preds = self._predictions(routing_sweep(self, max(1, M), seeds=2), M)
-            s, best = self.configs.index(static), np.argmin(preds, axis=1)
+            hists = routing_sweep(self, max(1, M), seeds=2)
+            preds = self._predictions(hists, M)
+            s = self.configs.index(static)
+            best = np.array([self.model.choose_predicted(h, M, p) for h, p in zip(hists, preds)])
             half = len(preds) // 2
             other = np.concatenate([best[half:], best[:half]])  # the same skew, the other seed
             rows = np.arange(len(preds))
