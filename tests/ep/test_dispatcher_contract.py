@@ -10,6 +10,11 @@ on one process (no process group: the single-process mode) and on 2 and 4 gloo r
 both combine orders (``combine_order="slot"`` and ``"rank"``). The objects of a K are built
 once and run every case of that K in turn, more than 20 changing steps on one object.
 
+The local dispatcher (one process, :class:`moekit.ep.local.LocalDispatcher`) delivers the
+other layout, token-major: it is held to the same combine references on the same routings,
+with the per-slot expert outputs ``[T, K, H]`` (NaN on masked slots) in both orders, and to
+passing a ``[T, H]`` output of experts that sum the slots themselves through unchanged.
+
 Each step is compared with ``torch.equal`` against the single-process loop reference:
 the received rows and their handle against ``moekit.ep.reference.expected_dispatch``
 (one row per (token, slot); the low-latency layer keeps one row per (token, expert), the
@@ -29,6 +34,8 @@ import torch
 
 from moekit.ep import (COMBINE_ORDERS, AllToAllDispatcher, CapAndSpillDispatcher, Dispatcher, EPLowLatencyAllToAll,
                        MaxCountsDispatcher, weighted_rank_sum)
+from moekit.ep.dispatcher import TOKEN_MAJOR
+from moekit.ep.local import LocalDispatcher
 from moekit.ep.reference import expected_dispatch
 from moekit.moe.reference import reference_slot_sum
 from tests.ep.cases import ADVERSARIAL_CASES, MAX_TOKENS, build_case
@@ -219,3 +226,38 @@ def test_battery_covers_the_adversarial_routings():
     assert facts["masked_rows"]["masked_rows"] and facts["masked_rows"]["partly_masked"]
     assert facts["masked"]["partly_masked"]
     assert facts["duplicates"]["duplicates"] and facts["one_expert_every_slot"]["duplicates"]
+
+
+def token_major_slot_outputs(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """expert_fn on every (token, slot) of the token-major layout, NaN on masked slots (which
+    combine must not read)."""
+    T, K = ids.shape
+    out = torch.full((T, K, x.shape[1]), float("nan"), dtype=x.dtype)
+    for t in range(T):
+        for k in range(K):
+            if int(ids[t, k]) >= 0:
+                out[t, k] = expert_fn(x[t:t + 1], int(ids[t, k]))[0]
+    return out
+
+
+@pytest.mark.parametrize("combine_order", COMBINE_ORDERS)
+def test_local_dispatcher_token_major(combine_order):
+    """The token-major layout: the tokens and routing pass through as given (no copy), and the
+    combine of the slot outputs equals the references bitwise on every adversarial routing."""
+    compared = 0
+    for seed in SEEDS:
+        for case in ADVERSARIAL_CASES:
+            dtype = case_dtype(case)
+            xs, ids, ws, E = build_case(case, 1, seed, dtype=dtype)
+            d = LocalDispatcher(E, top_k=ids[0].shape[1], max_tokens=MAX_TOKENS, combine_order=combine_order)
+            assert isinstance(d, Dispatcher)
+            got = d.dispatch(xs[0], ids[0], ws[0])
+            assert got.layout == TOKEN_MAJOR and got.counts is None and got.handle is None and got.scales is None
+            assert got.tokens is xs[0] and got.topk_ids is ids[0] and got.topk_weights is ws[0]
+            y = d.combine(token_major_slot_outputs(xs[0], ids[0]), got)
+            want = reference_combine(xs[0], ids[0], ws[0], dtype, combine_order, num_experts=E, world_size=1)
+            assert torch.equal(y, want), (case, seed)
+            summed = torch.randn(xs[0].shape, dtype=torch.float32).to(dtype)
+            assert d.combine(summed, got) is summed  # experts that weighted and summed: finalize only
+            compared += 1
+    assert compared == len(SEEDS) * len(ADVERSARIAL_CASES)

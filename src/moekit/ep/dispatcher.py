@@ -2,10 +2,21 @@
 validation and the two combine orders (``combine_order="slot"``, the default, and
 ``combine_order="rank"``), each defined by one function here.
 
-Layout of a dispatch result (docs/architecture.md): received rows in expert-major layout
-``[E_local, capacity, H]``; ``counts[e]`` rows of expert ``e`` are valid. Within an expert the
-rows are in canonical order (source rank, source token, slot k), so that every dispatcher
-returns the same rows in the same places and results can be compared with ``torch.equal``.
+A dispatch result says which layout it carries (docs/architecture.md):
+
+* expert-major (:data:`EXPERT_MAJOR`, every multi-rank dispatcher): received rows
+  ``[E_local, capacity, H]``; ``counts[e]`` rows of expert ``e`` are valid. Within an expert the
+  rows are in canonical order (source rank, source token, slot k), so that every dispatcher
+  returns the same rows in the same places and results can be compared with ``torch.equal``.
+* token-major (:data:`TOKEN_MAJOR`, one process: :class:`moekit.ep.local.LocalDispatcher`):
+  the tokens ``[T, H]`` as they are, with their ``topk_ids`` / ``topk_weights``. Nothing moves,
+  so nothing is regrouped: the experts take the tokens and the routing directly.
+
+An experts module declares the layouts it takes (``layouts``) and, for the token-major one,
+whether it applies the routing weights and sums the K slots itself (``sums_slots``): then it
+returns ``[T, H]`` and combine only finalizes (the output dtype); otherwise it returns the
+``[T, K, H]`` slot outputs and combine sums them in the dispatcher's order.
+:func:`run_experts` is the one place that calls an experts module on a ``Dispatched``.
 """
 
 from __future__ import annotations
@@ -16,6 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 COMBINE_ORDERS = ("slot", "rank")  # the ``combine_order`` every dispatcher takes
+EXPERT_MAJOR = "expert_major"  # Dispatched.layout of the multi-rank dispatchers
+TOKEN_MAJOR = "token_major"  # Dispatched.layout of the local (one-process) dispatcher
+LAYOUTS = (EXPERT_MAJOR, TOKEN_MAJOR)
 
 
 @dataclass
@@ -35,20 +49,28 @@ class DispatchHandle:
 
 @dataclass
 class Dispatched:
-    """Tokens received by this rank, grouped by local expert.
+    """Tokens received by this rank, in the layout ``layout`` names.
 
-    tokens: ``[E_local, capacity, H]`` (FP8 when quantized, then ``scales`` is
-    ``[E_local, capacity, H // group]`` float32); counts: ``[E_local]`` int64 valid rows.
+    Expert-major (the default): tokens ``[E_local, capacity, H]`` (FP8 when quantized, then
+    ``scales`` is ``[E_local, capacity, H // group]`` float32); counts: ``[E_local]`` int64
+    valid rows; ``handle``: where each row goes back to.
+
+    Token-major: tokens ``[T, H]`` (FP8 with ``scales`` ``[T, H // group]`` when quantized),
+    ``topk_ids`` / ``topk_weights`` ``[T, K]`` as given to dispatch; ``counts`` and ``handle``
+    are None (nothing was regrouped).
     """
 
     tokens: torch.Tensor
-    counts: torch.Tensor
-    handle: DispatchHandle
+    counts: torch.Tensor | None
+    handle: DispatchHandle | None
     scales: torch.Tensor | None = None
+    layout: str = EXPERT_MAJOR
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
-        return self.tokens.shape[1]
+        return self.tokens.shape[1] if self.layout == EXPERT_MAJOR else self.tokens.shape[0]
 
     def valid_rows(self, expert: int) -> torch.Tensor:
         """The ``counts[expert]`` received rows of one local expert (host sync: for tests and tools)."""
@@ -62,6 +84,21 @@ class Dispatcher(Protocol):
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched: ...
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+
+def run_experts(experts, dispatched: Dispatched) -> torch.Tensor:
+    """Call ``experts`` on ``dispatched`` in its layout: ``experts(tokens, counts, scales)`` on the
+    expert-major layout, ``experts.token_major(tokens, topk_ids, topk_weights, scales)`` on the
+    token-major one. An experts module that does not declare the layout (``experts.layouts``,
+    expert-major only when absent) is a ValueError naming both."""
+    layouts = getattr(experts, "layouts", (EXPERT_MAJOR,))
+    if dispatched.layout not in layouts:
+        raise ValueError(f"{type(experts).__name__} takes the layouts {tuple(layouts)}, but the dispatcher "
+                         f"delivers {dispatched.layout!r}; use experts that take it or another dispatcher")
+    if dispatched.layout == TOKEN_MAJOR:
+        return experts.token_major(dispatched.tokens, dispatched.topk_ids, dispatched.topk_weights,
+                                   dispatched.scales)
+    return experts(dispatched.tokens, dispatched.counts, dispatched.scales)
 
 
 def validate_routing(

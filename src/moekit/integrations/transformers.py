@@ -64,7 +64,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from moekit.ep.dispatcher import run_experts
+from moekit.fp8 import dequantize_groups
 from moekit.moe import EXPERT_KINDS, FusedExperts, SwiGLUExperts
+from moekit.moe.experts import check_expert_tokens, swiglu_expert_major, swiglu_token_major
 
 IMPLEMENTATION = "moekit"  # the name registered in transformers' ExpertsInterface
 METHODS = ("auto", "interface", "swap")
@@ -110,21 +113,37 @@ class _Backend:
     world_size: int
     kernel_config: Any
     tap: RoutingTap
+    top_k: int | None = None
     compute: nn.Module | None = None
     built_from: tuple = ()  # (storage pointers, dtype, device) of the weights the compute was built on
 
+    def local_slice(self, experts: nn.Module) -> slice:
+        E_local = experts.gate_up_proj.shape[0] // self.world_size
+        return slice(self.rank * E_local, (self.rank + 1) * E_local)
+
     def local_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts, as views of the model's stacked weights (no copy)."""
-        E = experts.gate_up_proj.shape[0]
-        E_local = E // self.world_size
-        lo = self.rank * E_local
-        return experts.gate_up_proj.detach()[lo:lo + E_local], experts.down_proj.detach()[lo:lo + E_local]
+        own = self.local_slice(experts)
+        return experts.gate_up_proj.detach()[own], experts.down_proj.detach()[own]
 
     def compute_for(self, experts: nn.Module) -> nn.Module:
-        w13, w2 = experts.gate_up_proj, experts.down_proj
-        key = (w13.data_ptr(), w2.data_ptr(), w13.dtype, w13.device)
+        """The compute, rebuilt where the model's weights moved since it was built (eager calls).
+
+        A compiled forward cannot read storage pointers: it runs the compute it finds, which
+        must have been built for the weights' dtype and device (by ``patch`` or an eager call)."""
+        w13 = experts.gate_up_proj
+        if torch.compiler.is_compiling():
+            if self.compute is None or self.built_from[2:] != (w13.dtype, w13.device):
+                raise RuntimeError("the patched model's weights moved since moekit last ran them: run one eager "
+                                   "forward (or patch again) before compiling it")
+            return self.compute
+        key = (w13.data_ptr(), experts.down_proj.data_ptr(), w13.dtype, w13.device)
         if self.compute is None or key != self.built_from:
-            self.compute = _make_compute(self.experts_kind, self.kernel_config, *self.local_weights(experts))
+            if self.experts_kind == "torch":
+                self.compute = ModelTorchExperts(experts, self.local_slice(experts))
+            else:
+                self.compute = FusedExperts(*self.local_weights(experts), config=self.kernel_config,
+                                            fp8=self.experts_kind == "fused_fp8", top_k=self.top_k)
             self.built_from = key
         return self.compute
 
@@ -133,14 +152,46 @@ class _Backend:
         ids, weights = self.tap(top_k_index, top_k_weights)
         compute = self.compute_for(experts)
         dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
-        out = compute(dispatched.tokens, dispatched.counts, dispatched.scales)
-        return self.dispatcher.combine(out, dispatched).to(hidden_states.dtype)
+        y = self.dispatcher.combine(run_experts(compute, dispatched), dispatched)
+        return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 
-def _make_compute(kind: str, kernel_config, w13: torch.Tensor, w2: torch.Tensor) -> nn.Module:
-    if kind == "torch":
-        return SwiGLUExperts(w13, w2)
-    return FusedExperts(w13, w2, config=kernel_config, fp8=kind == "fused_fp8")
+class ModelTorchExperts(nn.Module):
+    """moekit's torch experts on a transformers experts module's own parameters, read at every
+    call (this rank's slice of them): nothing is copied, a change to the weights is what runs
+    next, and autograd reaches the model's parameters (a patched model trains with
+    ``experts="torch"``). Both layouts, as :class:`~moekit.moe.SwiGLUExperts`."""
+
+    layouts = SwiGLUExperts.layouts
+    sums_slots = SwiGLUExperts.sums_slots
+
+    def __init__(self, experts: nn.Module, own: slice):
+        super().__init__()
+        self.__dict__["_experts"] = experts  # not a submodule: the model owns it
+        self.own = own
+
+    @property
+    def w13(self) -> torch.Tensor:
+        return self._experts.gate_up_proj[self.own]
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self._experts.down_proj[self.own]
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
+        w13, w2 = self.w13, self.w2
+        check_expert_tokens(tokens, scales, w13.shape[0], w13.shape[2])
+        if scales is not None:
+            tokens = dequantize_groups(tokens, scales, w13.dtype)
+        return swiglu_expert_major(tokens.to(w13.dtype), w13, w2)
+
+    def token_major(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
+        w13, w2 = self.w13, self.w2
+        if scales is not None:
+            x = dequantize_groups(x, scales, w13.dtype)
+        return swiglu_token_major(x.to(w13.dtype), topk_ids, w13, w2)
 
 
 def _moekit_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -216,6 +267,8 @@ class PatchedBlock:
 class _PatchState:
     blocks: list[PatchedBlock]
     configs: list[Any]  # configs switched to the "moekit" implementation
+    previous: list[str | None] = field(default_factory=list)  # each config's implementation before
+    hooks: list = field(default_factory=list)  # the step scope's forward hooks (RaMP policies)
 
 
 # -------------------------------------------------------------------------- public API
@@ -305,12 +358,35 @@ def patch(model: nn.Module, experts: str = "torch", dispatcher=None, *, kernel_c
     patched = []
     for layer, (name, block, how) in enumerate(plans):
         tap = RoutingTap(layer, name)
-        backend = _Backend(experts, dispatcher, rank, world_size, kernel_config, tap)
+        backend = _Backend(experts, dispatcher, rank, world_size, kernel_config, tap, top_k=top_k)
         backend.compute_for(block.experts)  # build (and quantize) now: errors surface here, not mid-generate
         patched.append(PatchedBlock(name, type(block).__name__, layer, how, tap, backend, block, block.experts))
     configs = _apply(patched)
-    model.__dict__["_moekit_patch"] = _PatchState(patched, configs)
+    previous = [_PREVIOUS_IMPLEMENTATION[id(c)][1] for c in configs]
+    hooks = _step_scope(model) if kernel_config in ("ramp", "auto") else []
+    model.__dict__["_moekit_patch"] = _PatchState(patched, configs, previous, hooks)
     return patched
+
+
+def _step_scope(model: nn.Module) -> list:
+    """RaMP's routing reads are shared by the MoE layers of one forward step: the patched model
+    opens that step (:func:`moekit.ramp.select.step`) around its own forward, so its user does
+    not have to."""
+    from moekit.ramp.select import step
+
+    scopes = []
+
+    def enter(module, args, kwargs):
+        scope = step()
+        scope.__enter__()
+        scopes.append(scope)
+
+    def leave(module, args, kwargs, output):
+        if scopes:
+            scopes.pop().__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
 def unpatch(model: nn.Module) -> None:
@@ -318,13 +394,25 @@ def unpatch(model: nn.Module) -> None:
     state = model.__dict__.get("_moekit_patch") if isinstance(model, nn.Module) else None
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched by moekit")
+    for hook in state.hooks:
+        hook.remove()
     for p in state.blocks:
         if p.method == "swap":
+            swapped = p.block.experts
+            # The parameters the model holds now (load_state_dict(..., assign=True) replaces them
+            # on the swapped module) go back with the original module.
+            if isinstance(swapped, MoekitExperts):
+                p.original_experts.gate_up_proj = swapped.gate_up_proj
+                p.original_experts.down_proj = swapped.down_proj
             p.block.experts = p.original_experts
         else:
             p.original_experts.__dict__.pop("_moekit_backend", None)
-    for config in state.configs:
+    for config, previous in zip(state.configs, state.previous or [None] * len(state.configs)):
         key = id(config)
+        if _PREVIOUS_IMPLEMENTATION.get(key, (None,))[0] is not config:
+            # A copy of a patched model (copy.deepcopy) has its own config, which no other model shares.
+            config._experts_implementation_internal = previous
+            continue
         _CONFIG_USERS[key] -= 1
         if _CONFIG_USERS[key] == 0:
             config._experts_implementation_internal = _PREVIOUS_IMPLEMENTATION.pop(key)[1]
@@ -398,14 +486,23 @@ def _choose_method(block: nn.Module, method: str) -> str:
 
 def _resolve_dispatcher(dispatcher, num_experts: int, hidden: int, top_k: int):
     if dispatcher is None:
-        from moekit.ep import AllToAllDispatcher
+        from moekit.moe.layer import default_dispatcher
 
-        dispatcher = AllToAllDispatcher(num_experts, hidden=hidden, top_k=top_k)
+        dispatcher = default_dispatcher(num_experts, hidden=hidden, top_k=top_k)
     if not callable(getattr(dispatcher, "dispatch", None)) or not callable(getattr(dispatcher, "combine", None)):
         raise ValueError(f"dispatcher must be a moekit Dispatcher (dispatch + combine), got {type(dispatcher).__name__}")
     E = getattr(dispatcher, "num_experts", num_experts)
     if E != num_experts:
         raise ValueError(f"dispatcher routes {E} experts; the model's blocks have num_experts={num_experts}")
+    for name, model_value in (("hidden", hidden), ("top_k", top_k)):
+        # The dispatchers keep the values they check each step's inputs against on themselves or
+        # on their step check (the low-latency layer).
+        given = getattr(dispatcher, name, None)
+        if given is None:
+            given = getattr(getattr(dispatcher, "step", None), name, None)
+        if isinstance(given, int) and given != model_value:
+            raise ValueError(f"the dispatcher was built for {name}={given}; the model's MoE blocks have "
+                             f"{name}={model_value}")
     rank, world_size = int(getattr(dispatcher, "rank", 0)), int(getattr(dispatcher, "world_size", 1))
     if world_size < 1 or num_experts % world_size:
         raise ValueError(f"the dispatcher's world_size={world_size} must divide num_experts={num_experts}")

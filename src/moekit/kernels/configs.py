@@ -132,6 +132,34 @@ class KernelConfig:
         return (f"{form}-bm{self.bm}-bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}"
                 f"-g{self.group_m}-k{self.split_k}{wide}{swap}")
 
+    @classmethod
+    def from_id(cls, name: str) -> "KernelConfig":
+        """The config whose :attr:`id` is ``name`` (ValueError for anything else)."""
+        if not isinstance(name, str):
+            raise ValueError(f"a KernelConfig id must be a str, got {type(name).__name__}")
+        parts = name.split("-")
+        try:
+            form = {"T": "two_launch", "F": "fused"}[parts[0]]
+            fields = dict(bm=parts[1], bn=parts[2], bk=parts[3], num_warps=parts[4], num_stages=parts[5],
+                          group_m=parts[6], split_k=parts[7])
+            prefixes = dict(bm="bm", bn="bn", bk="bk", num_warps="w", num_stages="s", group_m="g", split_k="k")
+            values = {}
+            for key, text in fields.items():
+                if not text.startswith(prefixes[key]):
+                    raise KeyError(key)
+                values[key] = int(text[len(prefixes[key]):])
+            rest = parts[8:]
+            bn2 = int(rest.pop(0)[1:]) if rest and rest[0].startswith("n") else 0
+            swap = bool(rest) and rest.pop(0) == "x"
+            if rest:
+                raise KeyError(rest[0])
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"not a KernelConfig id: {name!r} (e.g. 'T-bm16-bn64-bk128-w4-s4-g1-k1')") from None
+        config = cls(form=form, bn2=bn2, swap_ab=swap, **values)
+        if config.id != name:
+            raise ValueError(f"not a KernelConfig id: {name!r} (it reads as {config.id!r})")
+        return config
+
     @property
     def gemm2_bn(self) -> int:
         """GEMM2's output tile over H in the two_launch form."""

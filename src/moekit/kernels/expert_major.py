@@ -196,7 +196,7 @@ def expert_major_default(capacity: int, fp8: bool) -> KernelConfig:
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
-                           w2_local: torch.Tensor, config: KernelConfig | str | None = None, *,
+                           w2_local: torch.Tensor, config: KernelConfig, *,
                            w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                            token_scales: torch.Tensor | None = None,
                            plan: LaunchPlan | None = None) -> torch.Tensor:
@@ -214,14 +214,26 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
     here; the result has their dtype) or, as a low-latency dispatcher hands them over, e4m3
     with ``token_scales`` [E_local, capacity, H/128] float32 (the result is bf16).
 
-    ``config``: None: :func:`expert_major_default` for the capacity; ``"auto"``: RaMP's choice
-    for these counts (:func:`moekit.ramp.select.auto_config_expert_major`; host reads and CUDA
-    graphs as for :func:`~moekit.kernels.fused_moe.fused_moe`).
+    ``config``: the :class:`KernelConfig` to run (:func:`expert_major_default` is the kernel's
+    own pick for a capacity; the policies that choose one, RaMP's among them, live in
+    :mod:`moekit.ops`).
 
     ``plan``: how the call is launched (:class:`~moekit.kernels.plan.LaunchPlan`; None: the
     library's defaults; this entry reads its expert-major and PDL fields, and the decode fields
     where the config is not two_launch with split_k = 1).
     """
+    check_fused_moe_expert_major(tokens, counts, w13_local, w2_local, config, w13_scale=w13_scale,
+                                 w2_scale=w2_scale, token_scales=token_scales, plan=plan)
+    return run_fused_moe_expert_major(tokens, counts, w13_local, w2_local, config, w13_scale=w13_scale,
+                                      w2_scale=w2_scale, token_scales=token_scales, plan=plan)
+
+
+def check_fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
+                                 w2_local: torch.Tensor, config: KernelConfig | None, *,
+                                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                                 token_scales: torch.Tensor | None = None, plan: LaunchPlan | None = None) -> None:
+    """Every check of :func:`fused_moe_expert_major`'s arguments; ``config`` None: all but the
+    config. Reads nothing from the device."""
     require_triton()
     plan = check_plan(plan)
     if tokens.dim() != 3 or tokens.dtype not in SUPPORTED + (FP8,):
@@ -238,24 +250,31 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
         raise ValueError(f"counts must be [E_local={E}] on {tokens.device}, got {tuple(counts.shape)} on {counts.device}")
     if counts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"counts must be int32 or int64, got {counts.dtype}")
-    auto = isinstance(config, str) and config == "auto"
-    if auto and E * cap:  # imported here: moekit.ramp imports the kernels
-        from moekit.ramp.select import auto_config_expert_major
-
-        config = auto_config_expert_major(counts, cap, w13_local, w2_local)
-    elif config is None or auto:  # ("auto" on an empty layout: nothing runs)
-        config = expert_major_default(cap, fp8)
-    if not isinstance(config, KernelConfig):
-        raise ValueError(f"config must be a KernelConfig, 'auto' or None, got {config!r}")
-    check_config(config, fp8)
+    if config is not None:
+        if not isinstance(config, KernelConfig):
+            raise ValueError(f"config must be a moekit.kernels.KernelConfig (moekit.ops picks one by policy), "
+                             f"got {config!r}")
+        check_config(config, fp8)
     if fp8:
-        w13_scale, w2_scale = fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
+        fp8_weight_scales(E, N, H, w13_scale, w2_scale, tokens.device)
         if tokens.dtype == FP8:
             check_scale("token_scales", token_scales, (E, cap, H // FP8_GROUP), tokens.device)
         elif token_scales is not None:
             raise ValueError(f"token_scales is only for {FP8} tokens; the tokens are {tokens.dtype}")
     else:
         no_scales(w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales)
+    check_device(tokens.device, "tokens")
+
+
+def run_fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local: torch.Tensor,
+                               w2_local: torch.Tensor, config: KernelConfig, *,
+                               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                               token_scales: torch.Tensor | None = None,
+                               plan: LaunchPlan | None = None) -> torch.Tensor:
+    """:func:`fused_moe_expert_major` on arguments its check accepted (not checked again)."""
+    plan = DEFAULT_PLAN if plan is None else plan
+    E, cap, H = tokens.shape
+    fp8 = w13_local.dtype == FP8
     out_dtype = torch.bfloat16 if tokens.dtype == FP8 else tokens.dtype
     if not E * cap:
         return torch.zeros(E, cap, H, dtype=out_dtype, device=tokens.device)
@@ -265,7 +284,6 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13_local
         ts = token_scales.reshape(E * cap, H // FP8_GROUP) if token_scales is not None else None
         a, xs = fp8_activations(a, ts, "token_scales", plan)
         scales = (xs, w13_scale, w2_scale)
-    check_device(tokens.device, "tokens")
     if config.form == "two_launch" and config.split_k == 1:
         out = _run_stored(a, w13_local, w2_local, counts.contiguous(), cap, out_dtype, config, scales, plan)
     else:

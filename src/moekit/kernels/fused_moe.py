@@ -76,18 +76,20 @@ import torch
 from moekit.kernels.align import align_tokens, direct_blocks
 from moekit.kernels.backend import HAVE_TRITON, check_device, require_triton
 from moekit.kernels.configs import KernelConfig
-from moekit.kernels.inputs import (FP8, SUPPORTED, check_config, check_weights, fp8_activations, fp8_weight_scales,
-                                   is_fp8_weights, no_scales)
+from moekit.kernels.inputs import (FP8, SUPPORTED, check_config, check_scale, check_weights, fp8_activations,
+                                   fp8_weight_scales, is_fp8_weights, no_scales)
 from moekit.kernels.launch import run_blocks
-from moekit.kernels.plan import LaunchPlan, check_plan
+from moekit.kernels.plan import DEFAULT_PLAN, LaunchPlan, check_plan
+from moekit.kernels.quant import FP8_GROUP
 
-__all__ = ["ALIGNMENTS", "HAVE_TRITON", "fused_moe"]
+__all__ = ["ALIGNMENTS", "HAVE_TRITON", "check_fused_moe", "fused_moe", "run_fused_moe"]
 
 ALIGNMENTS = ("auto", "sort", "direct")  # fused_moe(alignment=...)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # routing weights the kernels read as they are
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, config: KernelConfig | str | None = None, *,
+              topk_weights: torch.Tensor, config: KernelConfig, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               x_scale: torch.Tensor | None = None, alignment: str = "auto",
               plan: LaunchPlan | None = None) -> torch.Tensor:
@@ -95,7 +97,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
     x [M, H] fp16/bf16/fp32; w13 [E, 2N, H] (gate rows first, then up) and w2 [E, H, N] of
     the same dtype; topk_ids [M, K] int32/int64 in [-1, E) (-1 = masked slot, contributes
-    nothing; ids are not range-checked, to avoid a host sync); topk_weights [M, K] float.
+    nothing; ids are not range-checked, to avoid a host sync); topk_weights [M, K] float
+    (float32, bfloat16 or float16 are read as they are and widened to float32 in the kernel).
     float32 accumulation; the result has x's dtype. No host sync: usable under CUDA graphs.
     Not bitwise reproducible (float32 atomics, see the module docstring).
 
@@ -111,68 +114,94 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     needs M <= config.bm); ``"auto"`` (default) is direct when M <= config.bm, else sort. Both
     do the same arithmetic on the same tiles; direct saves the alignment's launch.
 
-    ``config``: a :class:`KernelConfig`; None: ``default_config`` (a static pick from M);
-    ``"auto"``: RaMP's choice for this call's routing (:func:`moekit.ramp.select.auto_config`:
-    one host read per call, or per step inside ``moekit.ramp.select.step()``; inside a CUDA-graph
-    capture, and at the first call of a token count, the static choice for M, no host read).
+    ``config``: the :class:`KernelConfig` to run. Which one a caller should run (a static choice
+    per token count, RaMP's routing-aware choice) is decided above the kernels, in
+    :mod:`moekit.ops` (``moekit.ops.fused_moe`` takes the policy's names).
 
     ``plan``: how the call is launched (:class:`~moekit.kernels.plan.LaunchPlan`; None: the
     library's defaults).
 
+    :func:`check_fused_moe` holds every argument check and :func:`run_fused_moe` the launch, so
+    a caller that has checked a signature once can launch without checking again.
+
     On a machine without a CUDA GPU the kernels run in Triton's CPU interpreter (slow; see
     ``moekit.kernels.backend``); CPU tensors where the kernels were set up for the GPU raise.
     """
+    check_fused_moe(x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                    x_scale=x_scale, alignment=alignment, plan=plan)
+    return run_fused_moe(x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                         x_scale=x_scale, alignment=alignment, plan=plan)
+
+
+def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, config: KernelConfig | None, *, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                    alignment: str = "auto", plan: LaunchPlan | None = None) -> None:
+    """Every check of :func:`fused_moe`'s arguments (ValueError naming the argument); reads
+    nothing from the device. ``config`` None: everything but the config (a caller that picks
+    it later checks it with ``inputs.check_config``)."""
     require_triton()
-    plan = check_plan(plan)
+    check_plan(plan)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
-    if x.dim() != 2 or x.dtype not in SUPPORTED + (FP8,):
-        raise ValueError(f"x must be a 2-D {SUPPORTED + (FP8,)} tensor [M, H], got {tuple(x.shape)} {x.dtype}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in SUPPORTED + (FP8,):
+        got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D {SUPPORTED + (FP8,)} tensor [M, H], got {got}")
     fp8 = is_fp8_weights(w13, w2)
     if x.dtype == FP8 and not fp8:
         raise ValueError(f"x in {FP8} needs FP8 weights (w13, w2 in {FP8}), got {w13.dtype}")
-    if config is None:
-        from moekit.kernels.configs import default_config
-        from moekit.shapes import MoEShape
-
-        config = default_config(x.shape[0], MoEShape("adhoc", w13.shape[0], topk_ids.shape[1], x.shape[1],
-                                                     w2.shape[2]), dtype=FP8 if fp8 else torch.bfloat16)
-    auto = isinstance(config, str) and config == "auto"
-    if not (auto or isinstance(config, KernelConfig)):
-        raise ValueError(f"config must be a KernelConfig, 'auto' or None, got {config!r}")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise ValueError(f"config must be a moekit.kernels.KernelConfig (moekit.ops.fused_moe picks one by "
+                         f"policy: 'static', 'auto', ...), got {config!r}")
     M, H = x.shape
     E, N = check_weights(w13, w2, H, FP8 if fp8 else x.dtype, x.device)
-    if not auto:
+    if config is not None:
         check_config(config, fp8)
     if fp8:
-        w13_scale, w2_scale = fp8_weight_scales(E, N, H, w13_scale, w2_scale, x.device)
+        fp8_weight_scales(E, N, H, w13_scale, w2_scale, x.device)
+        if x.dtype == FP8:
+            check_scale("x_scale", x_scale, (M, H // FP8_GROUP), x.device)
+        else:
+            no_scales(x_scale=x_scale)
     else:
         no_scales(w13_scale=w13_scale, w2_scale=w2_scale, x_scale=x_scale)
+    if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
+        raise ValueError("topk_ids and topk_weights must be tensors")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32/int64 [M={M}, K], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor of shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)} {topk_weights.dtype}")
-    K = topk_ids.shape[1]
-    out_dtype = torch.bfloat16 if x.dtype == FP8 else x.dtype
-    x = x.contiguous()
-    scales = None
-    if fp8:  # validates x_scale first; quantizing a 16/32-bit x checks its device itself
-        x, xs = fp8_activations(x, x_scale, "x_scale", plan)
-        scales = (xs, w13_scale, w2_scale)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; they must share a device")
     # After every argument check, so that a bad argument is reported as such on any device.
     check_device(x.device)
+
+
+def run_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, config: KernelConfig, *, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                  alignment: str = "auto", plan: LaunchPlan | None = None) -> torch.Tensor:
+    """:func:`fused_moe` on arguments :func:`check_fused_moe` accepted (not checked again)."""
+    plan = DEFAULT_PLAN if plan is None else plan
+    M, H = x.shape
+    E = w13.shape[0]
+    K = topk_ids.shape[1]
+    fp8 = w13.dtype == FP8
+    out_dtype = torch.bfloat16 if x.dtype == FP8 else x.dtype
     if M == 0 or K == 0:
         return torch.zeros(M, H, dtype=out_dtype, device=x.device)
-    if auto:  # imported here: moekit.ramp imports the kernels
-        from moekit.ramp.select import auto_config
-
-        config = auto_config(topk_ids, w13, w2)
-        check_config(config, fp8)
+    x = x.contiguous()
+    scales = None
+    if fp8:
+        x, xs = fp8_activations(x, x_scale, "x_scale", plan)
+        scales = (xs, w13_scale, w2_scale)
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
         al = align_tokens(topk_ids, E, config.bm)
-    weights = topk_weights.to(torch.float32).contiguous().reshape(-1)
-    return run_blocks(x, w13, w2, weights, al, M, out_dtype, a_div=K, out_div=K, config=config, scales=scales,
-                      plan=plan)
+    # The kernels widen 16-bit weights to float32 as they load them: no conversion launch.
+    weights = topk_weights if topk_weights.dtype in WEIGHT_DTYPES else topk_weights.to(torch.float32)
+    return run_blocks(x, w13, w2, weights.contiguous().reshape(-1), al, M, out_dtype, a_div=K, out_div=K,
+                      config=config, scales=scales, plan=plan)

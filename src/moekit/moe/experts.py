@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moekit.ep.dispatcher import EXPERT_MAJOR, TOKEN_MAJOR
 from moekit.fp8 import FP8_DTYPE, dequantize_groups
 from moekit.shapes import MoEShape
 
@@ -91,15 +92,23 @@ def check_expert_tokens(tokens: torch.Tensor, scales: torch.Tensor | None, num_e
 
 
 class SwiGLUExperts(nn.Module):
-    """The experts of one rank, run on the expert-major layout a Dispatcher returns.
+    """The experts of one rank in plain torch, on either layout a Dispatcher delivers.
 
-    ``forward(tokens[E_local, capacity, H], counts[E_local], scales=None)`` ->
+    Expert-major: ``forward(tokens[E_local, capacity, H], counts[E_local], scales=None)`` ->
     [E_local, capacity, H] in the weights' dtype. Rows at or past ``counts[e]`` are padding;
-    their outputs are unspecified and no combine reads them. FP8 tokens (a quantizing
-    dispatcher's) come with their per-group ``scales`` and are dequantized first. This is the
-    plain-torch expert compute (batched matmuls); :class:`moekit.moe.FusedExperts` runs the
-    fused Triton kernel.
+    their outputs are unspecified and no combine reads them.
+
+    Token-major (one process): ``token_major(x[T, H], topk_ids[T, K], topk_weights, scales=None)``
+    -> the slot outputs [T, K, H] (unweighted: ``sums_slots`` is False, the dispatcher's combine
+    weights and sums them in its order); masked slots (id -1) give zero rows.
+
+    FP8 tokens (a quantizing dispatcher's) come with their per-group ``scales`` and are
+    dequantized first. This is the plain-torch expert compute (batched matmuls);
+    :class:`moekit.moe.FusedExperts` runs the fused Triton kernel.
     """
+
+    layouts = (EXPERT_MAJOR, TOKEN_MAJOR)
+    sums_slots = False
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         super().__init__()
@@ -120,5 +129,63 @@ class SwiGLUExperts(nn.Module):
 
     def compute(self, tokens: torch.Tensor) -> torch.Tensor:
         """The experts on validated tokens [E_local, capacity, H] in the weights' dtype."""
-        h = torch.bmm(tokens, self.w13.transpose(1, 2))
-        return torch.bmm(swiglu(h), self.w2.transpose(1, 2))
+        return swiglu_expert_major(tokens, self.w13, self.w2)
+
+    def token_major(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
+        """The slot outputs [T, K, H] of tokens ``x`` [T, H] (see the class docstring)."""
+        if scales is not None:
+            x = dequantize_groups(x, scales, self.w13.dtype)
+        return swiglu_token_major(x.to(self.w13.dtype), topk_ids, self.w13, self.w2)
+
+
+def swiglu_expert_major(tokens: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert e on every row of ``tokens[e]`` [E, capacity, H] (batched matmuls)."""
+    h = torch.bmm(tokens, w13.transpose(1, 2))
+    return torch.bmm(swiglu(h), w2.transpose(1, 2))
+
+
+def swiglu_token_major(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The slot outputs [T, K, H]: SwiGLU expert ``topk_ids[t, k]`` on ``x[t]``, zero rows where
+    the slot is masked (-1).
+
+    The pairs are sorted by expert (masked ones last) and each expert's rows run as one group
+    (``grouped_mm`` where torch offers it for these dtypes and sizes, else a loop over the
+    experts that masks the rows of the others), so nothing is read back to the host.
+    """
+    T, K = topk_ids.shape
+    E, H = w13.shape[0], w13.shape[2]
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    keyed = torch.where(ids >= 0, ids, E)  # masked pairs sort after every expert
+    order = torch.argsort(keyed, stable=True)
+    rows = x[torch.div(order, K, rounding_mode="floor")] if K else x[:0]
+    per_expert = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, keyed, torch.ones_like(keyed))
+    ends = torch.cumsum(per_expert[:E], 0).to(torch.int32)
+    out_sorted = _grouped_swiglu(rows, w13, w2, ends, keyed[order])
+    kept = torch.where((keyed[order] < E).unsqueeze(1), out_sorted, torch.zeros_like(out_sorted))
+    out = torch.zeros(T * K, H, dtype=out_sorted.dtype, device=x.device).index_copy(0, order, kept)
+    return out.view(T, K, H)
+
+
+def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert ``experts[i]`` on each row of ``rows`` (sorted by expert; ``ends`` are the
+    cumulative row counts per expert). Rows of masked pairs (expert E) give unspecified values."""
+    if _grouped_mm_fits(rows, w13, w2):
+        h = torch.nn.functional.grouped_mm(rows, w13.transpose(1, 2), offs=ends)
+        return torch.nn.functional.grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
+    out = torch.zeros(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)
+    for e in range(w13.shape[0]):  # every expert on every row, kept where the row is its own
+        mine = (experts == e).unsqueeze(1)
+        out = torch.where(mine, expert_mlp(rows, w13[e], w2[e]), out)
+    return out
+
+
+def _grouped_mm_fits(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes these operands everywhere (eager on either device
+    and traced by torch.compile, whose shape function is the strictest): bfloat16 operands with
+    16-byte aligned strides."""
+    if not hasattr(torch.nn.functional, "grouped_mm") or rows.shape[0] == 0 or rows.dtype != torch.bfloat16:
+        return False
+    per16 = 16 // rows.element_size()
+    return all(d % per16 == 0 for d in (w13.shape[1], w13.shape[2], w2.shape[2]))

@@ -1,8 +1,8 @@
 """The experts of one rank through the fused Triton kernel (``moekit.kernels``).
 
 A drop-in for :class:`~moekit.moe.experts.SwiGLUExperts` in :class:`~moekit.moe.MoELayer`
-(``experts="fused"`` / ``"fused_fp8"``): same call on a Dispatcher's expert-major layout,
-one kernel family for the up-projection, SwiGLU and the down-projection.
+(``experts="fused"`` / ``"fused_fp8"``): the same calls on either layout a Dispatcher
+delivers, one kernel family for the up-projection, SwiGLU and the down-projection.
 
 ``moekit.kernels`` is imported when the first instance is built, not with this module: its
 kernels are decorated at import, and on a machine without a GPU that has to happen under
@@ -14,21 +14,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekit.ep.dispatcher import EXPERT_MAJOR, TOKEN_MAJOR
 from moekit.fp8 import FP8_DTYPE, dequantize_groups, quantize_blocks
 from moekit.moe.experts import check_expert_tokens, check_expert_weights
 
-CONFIG_MODES = ("ramp", "auto", "default")  # FusedExperts(config=...) besides a KernelConfig
+CONFIG_MODES = ("static", "default", "ramp", "auto")  # FusedExperts(config=...) besides a KernelConfig
 FP8_BLOCK = 128  # weight scale blocks (128 x 128) and activation groups (1 x 128) of the W8A8 kernel
 
 
 class FusedExperts(nn.Module):
-    """``forward(tokens[E_local, capacity, H], counts[E_local], scales=None)`` ->
-    ``[E_local, capacity, H]`` in the dtype of the weights as given.
+    """The experts of one rank through the fused Triton kernels, on either layout.
 
-    Row r of expert e is expert_e(tokens[e, r]) for r < counts[e] (unweighted: the
-    dispatcher's combine applies the routing weights in slot order). Rows past counts[e] are
-    unspecified, as the dispatcher's own rows there: no combine reads them, and the kernel
-    runs only the blocks the counts name (``moekit.kernels.expert_major``).
+    Token-major (one process, :class:`~moekit.ep.local.LocalDispatcher`):
+    ``token_major(x[T, H], topk_ids[T, K], topk_weights[T, K], scales=None)`` -> ``[T, H]``, the
+    routing weights applied and the K slots summed in the kernel (``sums_slots``: the
+    dispatcher's combine only finalizes). One call of the token-major kernel
+    (:func:`moekit.ops.fused_moe`): no regrouping of the activations, nothing read back.
+
+    Expert-major (the multi-rank dispatchers): ``forward(tokens[E_local, capacity, H],
+    counts[E_local], scales=None)`` -> ``[E_local, capacity, H]``. Row r of expert e is
+    expert_e(tokens[e, r]) for r < counts[e] (unweighted: the dispatcher's combine applies the
+    routing weights in its order). Rows past counts[e] are unspecified, as the dispatcher's own
+    rows there: no combine reads them, and the kernel runs only the blocks the counts name.
+
+    Both return the dtype of the weights as given.
 
     * ``fp8=False``: the bf16 / fp16 / fp32 kernel on weights in their dtype. FP8 tokens (a
       quantizing dispatcher's) are dequantized with their ``scales`` first, since this kernel
@@ -38,42 +47,36 @@ class FusedExperts(nn.Module):
       with their scales as they are (no dequantize/requantize round trip), other tokens are
       quantized per 128 columns by the kernel's prologue. H and N must be multiples of 128.
 
-    ``config``:
+    ``config``: how the kernel's configuration is chosen (:mod:`moekit.ops.policy`):
+    ``"static"`` (or None, the default: one config per token-count bucket, never reading the
+    routing), ``"default"`` (the kernels' own static pick), ``"ramp"`` (RaMP where a model
+    ships, reading the routing only where the model predicts it pays), ``"auto"`` (RaMP reads
+    the routing once per step), or a :class:`moekit.kernels.KernelConfig` (FP8-valid when
+    ``fp8``). Inside a CUDA-graph capture RaMP's policies run the static choice.
+    ``last_config``: the configuration the last eager call ran.
 
-    * ``"ramp"`` (or None, the default): on a GPU with a fitted RaMP model of this shape
-      (:mod:`moekit.ramp`; shipped or in ``MOEKIT_RAMP_MODELS``), the model's choice for the
-      capacity, reading the counts (one host read per step, shared by every ``FusedExperts``)
-      only at capacities where the model predicts the read saves more than it costs
-      (:func:`moekit.ramp.select.ramp_config_expert_major`); without a model, or off the GPU,
-      the kernel's static default. No host read inside a CUDA-graph capture.
-    * ``"auto"``: RaMP reads the counts every step (one host read per forward step, shared by
-      every ``FusedExperts`` of the step: the per-step cache, this module the layer key); without
-      a model the region-analysis fallback, with a one-time warning. Inside a CUDA-graph capture,
-      and at the first call of a capacity, the static choice for the capacity, with no host
-      read, so the call can be captured after one warm-up call.
-    * ``"default"``: the kernel's static default for the capacity (never reads the host).
-    * A :class:`moekit.kernels.KernelConfig`: that one (FP8-valid when ``fp8``).
-
-    ``last_config``: the configuration the last call ran.
+    The kernels have no backward: with gradients enabled and a weight or input that requires
+    one, the output carries a backward that raises, so a loss through the experts fails at
+    ``backward()`` instead of leaving them without a gradient.
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, config=None, fp8: bool = False):
+    layouts = (EXPERT_MAJOR, TOKEN_MAJOR)
+    sums_slots = True
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, config=None, fp8: bool = False,
+                 top_k: int | None = None):
         super().__init__()
         check_expert_weights(w13, w2)
-        from moekit import kernels  # see the module docstring
+        from moekit import kernels, ops  # see the module docstring
 
         if not kernels.HAVE_TRITON:
             raise RuntimeError("FusedExperts needs Triton: pip install 'moekit[triton]'")
-        config = "ramp" if config is None else config
-        if not (isinstance(config, kernels.KernelConfig) or (isinstance(config, str) and config in CONFIG_MODES)):
-            raise ValueError(f"config must be a moekit.kernels.KernelConfig, one of {CONFIG_MODES} or None, "
-                             f"got {config!r}")
+        self.config = ops.check_policy(config)
         if not isinstance(fp8, bool):
             raise ValueError(f"fp8 must be a bool, got {fp8!r}")
-        self._kernel = kernels.fused_moe_expert_major
-        self._default = kernels.expert_major_default
-        self.config = config
+        self._ops = ops
         self.last_config = None
+        self.top_k = top_k
         self.fp8 = fp8
         self.out_dtype = w13.dtype
         if fp8:
@@ -92,35 +95,63 @@ class FusedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    def token_major(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, H]``: the K slots of every token weighted and summed (see the class docstring)."""
+        given = x
+        if self.fp8:
+            if x.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
+                x, scales = x.to(self.out_dtype), None
+        else:
+            if scales is not None:
+                x = dequantize_groups(x, scales, self.out_dtype)
+            x = x.to(self.out_dtype)
+        config = self.config
+        if not torch.compiler.is_compiling():  # compiled, the operator resolves the policy itself
+            config = self._ops.policy.token_config(config, topk_ids, self.w13, self.w2, layer=id(self))
+            self.last_config = config
+        out = self._ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, config,
+                                  w13_scale=self.w13_scale, w2_scale=self.w2_scale, x_scale=scales)
+        out = out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+        return _guard_backward(out, given, self.w13)
+
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
-        config = self._config_for(counts, tokens.shape[1])
+        given = tokens
         if self.fp8:
             if tokens.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
                 tokens, scales = tokens.to(self.out_dtype), None
-            out = self._kernel(tokens, counts, self.w13, self.w2, config, w13_scale=self.w13_scale,
-                               w2_scale=self.w2_scale, token_scales=scales)
         else:
             if scales is not None:
                 tokens = dequantize_groups(tokens, scales, self.out_dtype)
-            out = self._kernel(tokens.to(self.out_dtype), counts, self.w13, self.w2, config)
-        return out.to(self.out_dtype)
+            tokens, scales = tokens.to(self.out_dtype), None
+        config = self.config
+        if not torch.compiler.is_compiling():
+            config = self._ops.policy.expert_major_config(config, counts, tokens.shape[1], self.w13, self.w2,
+                                                          top_k=self.top_k, layer=id(self))
+            self.last_config = config
+        out = self._ops.fused_moe_expert_major(tokens, counts, self.w13, self.w2, config,
+                                               w13_scale=self.w13_scale, w2_scale=self.w2_scale,
+                                               token_scales=scales)
+        return _guard_backward(out.to(self.out_dtype), given, self.w13)
 
-    def _config_for(self, counts: torch.Tensor, capacity: int):
-        # Malformed counts are the kernel's to report; an empty layout runs nothing.
-        usable = capacity > 0 and counts.dim() == 1 and counts.shape[0] == self.num_experts
-        config = None
-        if self.config == "auto" and usable:  # imported here: moekit.ramp imports the kernels
-            from moekit.ramp.select import auto_config_expert_major
 
-            config = auto_config_expert_major(counts, capacity, self.w13, self.w2, layer=id(self))
-        elif self.config == "ramp" and usable and counts.is_cuda:
-            from moekit.ramp.select import ramp_config_expert_major
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; a backward that raises (the fused kernels have none), so a loss
+    through them fails at ``backward()`` instead of leaving the experts without a gradient."""
 
-            config = ramp_config_expert_major(counts, capacity, self.w13, self.w2, layer=id(self))
-        elif not isinstance(self.config, str):
-            config = self.config
-        if config is None:
-            config = self._default(capacity, self.fp8)
-        self.last_config = config
-        return config
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from moekit.ops.library import NO_BACKWARD
+
+        raise RuntimeError(NO_BACKWARD)
+
+
+def _guard_backward(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _RefuseBackward.apply(out, x, w)
+    return out

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from moekit.ep.alltoall import AllToAllDispatcher
-from moekit.ep.dispatcher import Dispatcher, check_combine_order
+from moekit.ep.dispatcher import Dispatcher, check_combine_order, run_experts
+from moekit.ep.local import LocalDispatcher
 from moekit.moe.experts import MoEWeights, SwiGLUExperts, expert_mlp
 from moekit.moe.fused_experts import FusedExperts
 from moekit.moe.router import TopKRouter
@@ -22,17 +23,19 @@ class MoELayer(nn.Module):
     experts ``rank * E_local .. (rank + 1) * E_local - 1``) and the shared experts
     (replicated). ``rank`` / ``world_size`` default to the dispatcher's. The output has
     the dtype of the expert weights. ``weights`` are the full block's weights, identical on every rank (build
-    them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to the eager
-    all-to-all over the default process group (or a single process when there is none).
+    them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to
+    :func:`default_dispatcher`: with one rank (no process group, or a group of one) the
+    :class:`~moekit.ep.local.LocalDispatcher`, which hands the tokens to the experts
+    token-major (nothing moves, nothing is regrouped); with several, the eager all-to-all over
+    the default process group.
 
     ``experts`` picks the expert compute: ``"torch"`` (batched matmuls,
     :class:`SwiGLUExperts`), ``"fused"`` (the fused Triton kernel, :class:`FusedExperts`) or
     ``"fused_fp8"`` (its W8A8 form, the local experts' weights quantized to e4m3 at
-    construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`,
-    or ``"ramp"`` / None (the default): RaMP's choice where a fitted model of the shape exists for
-    the GPU, reading the routing only where that pays, else the kernel's static default;
-    ``"auto"``: RaMP reads the routing every step; ``"default"``: the kernel's static default
-    (:class:`FusedExperts` says how each behaves in CUDA graphs). FP8
+    construction); ``kernel_config`` is the fused kernel's :class:`moekit.kernels.KernelConfig`
+    or a policy of :mod:`moekit.ops.policy`: ``"static"`` / None (the default: one config per
+    token-count bucket, no read of the routing), ``"default"``, ``"ramp"`` or ``"auto"``
+    (RaMP's routing-aware choices; :class:`FusedExperts` says how each behaves). FP8
     tokens from a quantizing dispatcher reach the experts with their scales: the W8A8 kernel
     takes them as they are, the others dequantize them.
 
@@ -49,7 +52,7 @@ class MoELayer(nn.Module):
         if combine_order is not None:
             check_combine_order(combine_order)
         if dispatcher is None:
-            dispatcher = AllToAllDispatcher(shape.num_experts, hidden=shape.hidden, top_k=shape.top_k,
+            dispatcher = default_dispatcher(shape.num_experts, hidden=shape.hidden, top_k=shape.top_k,
                                             combine_order=combine_order or "slot")
         given = getattr(dispatcher, "combine_order", "slot")
         if combine_order is not None and given != combine_order:
@@ -69,7 +72,7 @@ class MoELayer(nn.Module):
                                  renormalize=renormalize, weight=weights.router, device=weights.w13.device)
         lo = rank * E_local
         self.experts = _make_experts(experts, kernel_config, weights.w13[lo:lo + E_local].clone(),
-                                     weights.w2[lo:lo + E_local].clone())
+                                     weights.w2[lo:lo + E_local].clone(), top_k=shape.top_k)
         self.register_buffer("shared_w13", weights.shared_w13)
         self.register_buffer("shared_w2", weights.shared_w2)
 
@@ -81,21 +84,33 @@ class MoELayer(nn.Module):
         if topk_ids is None:
             topk_ids, topk_weights = self.router(x)
         dispatched = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        expert_out = self.experts(dispatched.tokens, dispatched.counts, dispatched.scales)
-        y = self.dispatcher.combine(expert_out, dispatched)
+        y = self.dispatcher.combine(run_experts(self.experts, dispatched), dispatched)
         if self.shared_w13 is not None:
             y = y + expert_mlp(x, self.shared_w13, self.shared_w2).to(y.dtype)
         return y
 
 
-def _make_experts(kind: str, kernel_config, w13: torch.Tensor, w2: torch.Tensor) -> nn.Module:
+def default_dispatcher(num_experts: int, *, hidden: int | None = None, top_k: int | None = None,
+                       combine_order: str = "slot") -> Dispatcher:
+    """The dispatcher a layer or a patched model gets when it is given none: the
+    :class:`~moekit.ep.local.LocalDispatcher` with one rank (no initialized process group, or a
+    group of one), the eager :class:`~moekit.ep.alltoall.AllToAllDispatcher` over the default
+    group with several."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return AllToAllDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
+    return LocalDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
+
+
+def _make_experts(kind: str, kernel_config, w13: torch.Tensor, w2: torch.Tensor, *,
+                  top_k: int | None = None) -> nn.Module:
     if kind not in EXPERT_KINDS:
         raise ValueError(f"experts must be one of {EXPERT_KINDS}, got {kind!r}")
     if kind == "torch":
         if kernel_config is not None:
             raise ValueError("kernel_config is for the fused experts (experts='fused' or 'fused_fp8')")
         return SwiGLUExperts(w13, w2)
-    return FusedExperts(w13, w2, config=kernel_config, fp8=kind == "fused_fp8")
+    return FusedExperts(w13, w2, config=kernel_config, fp8=kind == "fused_fp8", top_k=top_k)
 
 
 def _agree(name: str, given: int | None, from_dispatcher: int | None) -> int:

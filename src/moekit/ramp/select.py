@@ -14,9 +14,10 @@ selector) marks one explicitly; outside both, every call selects afresh (one hos
 No model file for the shape and GPU: the selector falls back to the region analysis
 (:mod:`moekit.ramp.fallback`), with a one-time warning that says how to profile the shape.
 
-How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_moe`` and
-:func:`auto_config_expert_major` for ``fused_moe_expert_major`` / ``FusedExperts``, both through
-:meth:`Selector.auto`, which adds two rules to :meth:`Selector.select`:
+How the configuration policy (:mod:`moekit.ops.policy`, the one module above the kernels)
+calls this (``config="auto"``): :func:`auto_config` for token-major calls and
+:func:`auto_config_expert_major` for expert-major ones, both through :meth:`Selector.auto`,
+which adds two rules to :meth:`Selector.select`:
 
 * Inside a CUDA-graph capture (the low-latency layer, a captured ``MoELayer``) no value may be
   read back, and a graph replays whatever it captured: the call runs the *static choice* for
@@ -27,7 +28,7 @@ How the kernels call this (``config="auto"``): :func:`auto_config` for ``fused_m
   Triton loads a kernel's module at its first launch, which is not allowed during a capture,
   so the warm-up call every graph needs before its capture loads exactly what the graph runs.
 
-``reads="when_pays"`` (``FusedExperts``' default, :func:`ramp_config_expert_major`) reads the
+``reads="when_pays"`` (the ``"ramp"`` policy: :func:`ramp_config`, :func:`ramp_config_expert_major`) reads the
 routing only at token counts where the model predicts that reading pays for itself
 (:meth:`Selector.read_pays`: the predicted gain of the live choice over the static one on the
 routing it read, plus its gain on the other calls it serves, whose routings share the skew but
@@ -806,6 +807,15 @@ def auto_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     return sel.auto(topk_ids.shape[0], topk_ids=topk_ids, layer=layer)
 
 
+def ramp_config(topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, layer=None) -> KernelConfig | None:
+    """The ``"ramp"`` policy of a token-major call: where a fitted model of this shape exists for
+    the GPU, RaMP's choice with ``reads="when_pays"``; None where none does (the caller runs its
+    static choice)."""
+    E, H, N, dtype = _weight_dims(w13, w2)
+    sel = model_selector_for(E, topk_ids.shape[1], H, N, dtype=dtype, device=topk_ids.device)
+    return None if sel is None else sel.auto(topk_ids.shape[0], topk_ids=topk_ids, layer=layer, reads="when_pays")
+
+
 def auto_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Tensor, w2: torch.Tensor, *,
                              top_k: int | None = None, layer=None) -> KernelConfig:
     """``fused_moe_expert_major(..., config="auto")`` / ``FusedExperts(config="auto")``: the
@@ -825,11 +835,3 @@ def ramp_config_expert_major(counts: torch.Tensor, capacity: int, w13: torch.Ten
     sel = model_selector_for(E, top_k, H, N, dtype=dtype, device=counts.device, family="expert_major",
                              capacity=capacity)
     return None if sel is None else sel.auto(capacity, counts=counts, layer=layer, reads="when_pays")
-
-
-def fused_moe_auto(x, w13, w2, topk_ids, topk_weights, *, layer=None, **kwargs):
-    """``fused_moe(..., config="auto")`` with a ``layer`` key for the per-step cache (the
-    kernel's entry has none: there, outside :func:`step`, every call selects)."""
-    from moekit.kernels import fused_moe
-
-    return fused_moe(x, w13, w2, topk_ids, topk_weights, auto_config(topk_ids, w13, w2, layer=layer), **kwargs)
