@@ -19,15 +19,26 @@ def run_bench(args) -> int:
     from moekit.bench.report import format_table, write_record
     from moekit.integrations.lm.bench import bench_generation
 
-    batches = tuple(int(b) for b in args.batches.split(","))
-    result = bench_generation(args.model, prompts_file=args.prompts, batches=batches, new_tokens=args.new_tokens,
-                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
-                              implementations=tuple(args.implementations.split(",")))
-    print(format_table(result["rows"], ["implementation", "batch", "tokens_per_s", "speedup_vs_transformers",
+    batches = _positive_ints("--batches", args.batches)
+    result = bench_generation(args.model, preset=args.preset, layers=args.layers, prompts_file=args.prompts,
+                              batches=batches, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+                              repeats=args.repeats, implementations=tuple(args.implementations.split(",")),
+                              modes=tuple(args.modes.split(",")))
+    print(format_table(result["rows"], ["mode", "implementation", "batch", "tokens_per_s", "speedup_vs_transformers",
                                         "moe_share", "prefix_share", "identical_sequences"], floatfmt=".3f"))
     path = write_record("lm-e2e", result["params"], {"rows": result["rows"]}, out_dir=args.out_dir)
     print(f"record: {path}")
     return 0
+
+
+def _positive_ints(name: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated ints, got {text!r}") from None
+    if not values or any(not 1 <= v <= 4096 for v in values):
+        raise ValueError(f"{name} must be ints in [1, 4096], got {text!r}")
+    return values
 
 
 def register(sub) -> None:
@@ -47,8 +58,12 @@ def register(sub) -> None:
                    "auto (grouped_mm, else eager), grouped_mm, batched_mm, eager")
     t.add_argument("--corpus", default=None, help="folder of .py files (default: this Python's standard library)")
     t.set_defaults(func=run_train)
-    b = lm_sub.add_parser("bench", help="generation on moekit vs transformers' experts (one GPU)")
-    b.add_argument("--model", required=True, help="a saved model folder (e.g. from `moekit lm train`)")
+    b = lm_sub.add_parser("bench", help="generation on moekit vs transformers' experts, eager and compiled (one GPU)")
+    which = b.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", default=None, help="a saved model folder (e.g. from `moekit lm train`)")
+    which.add_argument("--preset", default=None, help="a model at real dimensions, randomly initialized: "
+                       "olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b (tiny-olmoe, tiny-qwen3, tiny-mixtral: toy size)")
+    b.add_argument("--layers", type=int, default=4, help="decoder layers of a --preset model (default 4)")
     b.add_argument("--prompts", default=None, help="prompts file (.jsonl or one per line; default: the model "
                    "folder's heldout_prompts.jsonl)")
     b.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (default 1,16,64)")
@@ -56,6 +71,9 @@ def register(sub) -> None:
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens")
     b.add_argument("--repeats", type=int, default=3, help="timed generations per batch size (median reported)")
     b.add_argument("--implementations", default="transformers,fused,fused_fp8",
-                   help="comma-separated: transformers, torch, fused, fused_fp8")
+                   help="comma-separated: transformers, torch, fused, fused_fp8; fused:POLICY (e.g. fused:auto) "
+                   "picks the kernel-config policy (static, default, ramp, auto)")
+    b.add_argument("--modes", default="eager,compiled", help="comma-separated: eager (dynamic cache), compiled "
+                   "(static cache + torch.compile(fullgraph=True, mode='reduce-overhead')); default both")
     b.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
     b.set_defaults(func=run_bench)
