@@ -107,3 +107,20 @@ def test_operator_has_no_backward():
     y = torch.ops.moekit.fused_moe(x, w.w13, w.w2, ids, tw, None, None, None, "static")
     with pytest.raises(RuntimeError, match="no backward"):
         y.sum().backward()
+
+
+def test_two_launch_alignment_zeroes_the_accumulator():
+    """Above 1024 pairs the alignment takes two launches, and the first zeroes the kernels'
+    float32 accumulator (one launch fewer per call); the call still matches the reference."""
+    from moekit.kernels.align import align_launches, align_tokens
+
+    M = 516
+    x, w, ids, tw = _case(M=M, seed=9)
+    assert align_launches(ids.numel()) == 2 and align_launches(1024) == 1
+    acc = torch.full((M, SHAPE.hidden), float("nan"), device=DEVICE)
+    al = align_tokens(ids, SHAPE.num_experts, 64, zero=acc)
+    assert al.zeroed and torch.equal(acc, torch.zeros_like(acc))
+    cfg = KernelConfig(bm=64, bn=32, bk=32)
+    y = ops.fused_moe(x, w.w13, w.w2, ids, tw, cfg)
+    want = reference_moe(x.cpu(), w.to(torch.float64, "cpu"), ids.cpu(), tw.cpu())
+    assert (y.cpu().double() - want).abs().max() < 1e-4

@@ -149,11 +149,21 @@ class _Backend:
 
     def run(self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.tap(top_k_index, top_k_weights)
+        tap = self.tap
+        if tap._forward_hooks or tap._forward_pre_hooks or _GLOBAL_MODULE_HOOKS():
+            top_k_index, top_k_weights = tap(top_k_index, top_k_weights)  # a recorder is listening
+        ids, weights = top_k_index, top_k_weights
         compute = self.compute_for(experts)
         dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
         y = self.dispatcher.combine(run_experts(compute, dispatched), dispatched)
         return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def _GLOBAL_MODULE_HOOKS() -> bool:
+    """Whether global module hooks are registered (they would see the tap's call too)."""
+    from torch.nn.modules import module as m
+
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 class ModelTorchExperts(nn.Module):

@@ -55,6 +55,7 @@ class Alignment:
     num_padded: torch.Tensor  # [1] int32
     bm: int
     num_pairs: int  # M*K (or E*capacity in expert-major): the sentinel value
+    zeroed: bool = False  # whether the alignment's launches also zeroed the buffer it was given
 
     @property
     def capacity(self) -> int:
@@ -134,15 +135,20 @@ def _check_align_args(topk_ids: torch.Tensor, num_experts: int, bm: int) -> None
         raise ValueError(f"bm must be >= 1, got {bm}")
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
+                 zero: torch.Tensor | None = None) -> Alignment:
     """Sort the pairs of ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
 
     Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
     validates, see ``moekit.ep.dispatcher.validate_routing``). Runs the Triton kernels where
     Triton can run on the ids' device, else the torch ops; both give the same tensors.
+
+    ``zero``: a contiguous float32 buffer the caller needs zeroed (the kernels' accumulator).
+    Where the alignment takes two launches, its first one also zeroes it (extra programs of
+    the same grid), which saves the caller a launch; ``Alignment.zeroed`` says whether it did.
     """
     if HAVE_TRITON and (topk_ids.is_cuda or interpreting()):
-        return align_tokens_triton(topk_ids, num_experts, bm)
+        return align_tokens_triton(topk_ids, num_experts, bm, zero=zero)
     return align_tokens_torch(topk_ids, num_experts, bm)
 
 
@@ -174,15 +180,23 @@ if HAVE_TRITON:
 
     # The int arguments are sizes that change with M; specializing on them (==1, %16) would only
     # multiply the compiled variants.
-    @triton.jit(do_not_specialize=["num_pairs", "num_experts", "cap", "fill_per_prog"])
-    def _count_chunks(ids_ptr, hist_ptr, sorted_ptr, num_pairs, num_experts, cap, fill_per_prog,
-                      SCAN: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr, FILL_STEPS: tl.constexpr):
-        """Program c: histogram of chunk c -> hist[c, :]; sentinel into its slice of sorted_ids."""
+    @triton.jit(do_not_specialize=["num_pairs", "num_experts", "cap", "fill_per_prog", "num_chunks", "zero_n"])
+    def _count_chunks(ids_ptr, hist_ptr, sorted_ptr, zero_ptr, num_pairs, num_experts, cap, fill_per_prog,
+                      num_chunks, zero_n, SCAN: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
+                      FILL_STEPS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+        """Program c < num_chunks: histogram of chunk c -> hist[c, :]; sentinel into its slice of
+        sorted_ids. Programs past them (where the caller gave a buffer to zero): zero_ptr's
+        ZERO_BLOCK-element block c - num_chunks."""
         c = tl.program_id(0)
-        _, e, valid = _chunk_keys(ids_ptr, c, num_pairs, num_experts, SCAN)
-        tl.store(hist_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(tl.where(valid, e, 0), BINS, mask=valid))
-        lo = c * fill_per_prog
-        _fill_sentinel(sorted_ptr, lo, tl.minimum(lo + fill_per_prog, cap), num_pairs, FILL, FILL_STEPS)
+        if c >= num_chunks:
+            offs = (c - num_chunks).to(tl.int64) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+            tl.store(zero_ptr + offs, tl.zeros([ZERO_BLOCK], tl.float32), mask=offs < zero_n)
+        else:
+            _, e, valid = _chunk_keys(ids_ptr, c, num_pairs, num_experts, SCAN)
+            tl.store(hist_ptr + c * BINS + tl.arange(0, BINS),
+                     tl.histogram(tl.where(valid, e, 0), BINS, mask=valid))
+            lo = c * fill_per_prog
+            _fill_sentinel(sorted_ptr, lo, tl.minimum(lo + fill_per_prog, cap), num_pairs, FILL, FILL_STEPS)
 
     @triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_chunks", "bm", "cap", "num_blocks",
                                    "blocks_per_prog"])
@@ -243,8 +257,18 @@ if HAVE_TRITON:
             tl.store(num_padded_ptr, tl.sum(padded))
 
 
-def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
-    """:func:`align_tokens` in two Triton launches (see the module docstring)."""
+_ZERO_BLOCK = 2048  # float32 elements each zeroing program of _count_chunks clears
+
+
+def align_launches(num_pairs: int) -> int:
+    """The Triton launches :func:`align_tokens_triton` takes for ``num_pairs`` pairs."""
+    return 1 if num_pairs <= _MAX_SCAN else 2
+
+
+def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
+                        zero: torch.Tensor | None = None) -> Alignment:
+    """:func:`align_tokens` in one or two Triton launches (see the module docstring; ``zero``:
+    there)."""
     require_triton()
     _check_align_args(topk_ids, num_experts, bm)
     device = topk_ids.device
@@ -270,8 +294,12 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Al
     hist = torch.empty(chunks if not one else 1, bins, dtype=torch.int32, device=device)
     fill = dict(FILL=_FILL, FILL_STEPS=_pow2_at_least(-(-(cap if one else fill_per_prog) // _FILL)))
     if not one:
-        _count_chunks[(chunks,)](ids, hist, sorted_ids, num_pairs, num_experts, cap, fill_per_prog,
-                                 SCAN=scan, BINS=bins, **fill, num_warps=4)
+        zero_n = 0 if zero is None else zero.numel()
+        zero_progs = -(-zero_n // _ZERO_BLOCK)
+        _count_chunks[(chunks + zero_progs,)](ids, hist, sorted_ids, sorted_ids if zero is None else zero,
+                                              num_pairs, num_experts, cap, fill_per_prog, chunks, zero_n,
+                                              SCAN=scan, BINS=bins, **fill, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4)
+        al.zeroed = zero is not None
     _scatter_chunks[(chunks,)](ids, hist, sorted_ids, block_expert, num_padded,
                                num_pairs, num_experts, chunks, bm, cap, num_blocks, blocks_per_prog,
                                SCAN=scan, BINS=bins, CHUNK_STEPS=_pow2_at_least(chunks),

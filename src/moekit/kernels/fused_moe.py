@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.kernels.align import align_tokens, direct_blocks
+from moekit.kernels.align import align_launches, align_tokens, direct_blocks
 from moekit.kernels.backend import HAVE_TRITON, check_device, require_triton
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.inputs import (FP8, SUPPORTED, check_config, check_scale, check_weights, fp8_activations,
@@ -197,11 +197,17 @@ def run_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if fp8:
         x, xs = fp8_activations(x, x_scale, "x_scale", plan)
         scales = (xs, w13_scale, w2_scale)
+    accumulator = None
     if alignment == "direct" or (alignment == "auto" and M <= config.bm):
         al = direct_blocks(topk_ids, E, config.bm)
     else:
-        al = align_tokens(topk_ids, E, config.bm)
+        # The accumulator the sorted path adds into, zeroed by the alignment's launches where
+        # they are two (a launch saved); else run_blocks zeroes it.
+        if align_launches(topk_ids.numel()) == 2:
+            accumulator = torch.empty(M, H, dtype=torch.float32, device=x.device)
+        al = align_tokens(topk_ids, E, config.bm, zero=accumulator)
+        accumulator = accumulator if al.zeroed else None
     # The kernels widen 16-bit weights to float32 as they load them: no conversion launch.
     weights = topk_weights if topk_weights.dtype in WEIGHT_DTYPES else topk_weights.to(torch.float32)
     return run_blocks(x, w13, w2, weights.contiguous().reshape(-1), al, M, out_dtype, a_div=K, out_div=K,
-                      config=config, scales=scales, plan=plan)
+                      config=config, scales=scales, plan=plan, accumulator=accumulator)

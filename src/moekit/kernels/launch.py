@@ -58,7 +58,7 @@ def intermediate(rows: int, N: int, dtype: torch.dtype, fp8: bool, unused: torch
 def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
                al: Alignment | DirectBlocks, out_rows: int, out_dtype: torch.dtype, a_div: int, out_div: int,
                config: KernelConfig, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               plan: LaunchPlan = DEFAULT_PLAN) -> torch.Tensor:
+               plan: LaunchPlan = DEFAULT_PLAN, accumulator: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernels of ``config`` over the token blocks of ``al``: the ``[out_rows, H]``
     output in ``out_dtype``.
 
@@ -67,7 +67,9 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     the FP8 kernels (x2d, w13, w2 then e4m3); None the bf16/fp16/fp32 ones. Except in the
     decode schedule (:func:`decode_schedule`), the kernels add into a zeroed float32 buffer with
     atomics, cast once at the end (``expert_major`` has the expert-major layout's own
-    two_launch kernels, which store each row once).
+    two_launch kernels, which store each row once). ``accumulator``: that float32 buffer
+    ``[out_rows, H]``, already zeroed by the caller (the alignment's launch zeroes it); None:
+    zeroed here.
     """
     H = x2d.shape[1]
     N = w2.shape[2]
@@ -76,8 +78,10 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     decode = decode_schedule(config, al)
     if num_m == 0:
         return torch.zeros(out_rows, H, dtype=out_dtype, device=device)
-    out = (torch.empty(out_rows, H, dtype=out_dtype, device=device) if decode
-           else pdl.zeros((out_rows, H), torch.float32, device, plan))
+    if decode:
+        out = torch.empty(out_rows, H, dtype=out_dtype, device=device)
+    else:
+        out = accumulator if accumulator is not None else pdl.zeros((out_rows, H), torch.float32, device, plan)
     fp8 = scales is not None
     prec = precision(x2d.dtype)
     c = config

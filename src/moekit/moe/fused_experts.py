@@ -75,6 +75,7 @@ class FusedExperts(nn.Module):
         if not isinstance(fp8, bool):
             raise ValueError(f"fp8 must be a bool, got {fp8!r}")
         self._ops = ops
+        self._static: dict[int, object] = {}
         self.last_config = None
         self.top_k = top_k
         self.fp8 = fp8
@@ -108,7 +109,12 @@ class FusedExperts(nn.Module):
             x = x.to(self.out_dtype)
         config = self.config
         if not torch.compiler.is_compiling():  # compiled, the operator resolves the policy itself
-            config = self._ops.policy.token_config(config, topk_ids, self.w13, self.w2, layer=id(self))
+            # The static policy's answer per token count, kept here: one dict lookup per call.
+            config = self._static.get(topk_ids.shape[0]) if config == "static" else None
+            if config is None:
+                config = self._ops.policy.token_config(self.config, topk_ids, self.w13, self.w2, layer=id(self))
+                if self.config == "static" and len(self._static) < 4096:
+                    self._static[topk_ids.shape[0]] = config
             self.last_config = config
         out = self._ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, config,
                                   w13_scale=self.w13_scale, w2_scale=self.w2_scale, x_scale=scales)
