@@ -42,6 +42,8 @@ def _positive_ints(name: str, text: str) -> tuple[int, ...]:
 
 
 def register(sub) -> None:
+    from moekit.outputs import DEFAULT_OUT_DIR
+
     lm = sub.add_parser("lm", help="a small MoE language model: train it, run it on moekit")
     lm_sub = lm.add_subparsers(dest="lm_command", required=True)
     t = lm_sub.add_parser("train", help="train an OLMoE-architecture model on the Python standard library's source")
@@ -66,7 +68,7 @@ def register(sub) -> None:
     b.add_argument("--layers", type=int, default=4, help="decoder layers of a --preset model (default 4)")
     b.add_argument("--prompts", default=None, help="prompts file (.jsonl or one per line; default: the model "
                    "folder's heldout_prompts.jsonl)")
-    b.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (default 1,16,64)")
+    b.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes (default 1,16,64,256)")
     b.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens")
     b.add_argument("--repeats", type=int, default=3, help="timed generations per batch size (median reported)")
@@ -75,5 +77,5 @@ def register(sub) -> None:
                    "picks the kernel-config policy (static, default, ramp, auto)")
     b.add_argument("--modes", default="eager,compiled", help="comma-separated: eager (dynamic cache), compiled "
                    "(static cache + torch.compile(fullgraph=True, mode='reduce-overhead')); default both")
-    b.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    b.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"where the JSON record goes (default {DEFAULT_OUT_DIR}/)")
     b.set_defaults(func=run_bench)

@@ -141,9 +141,10 @@ def bench_generation(model_dir: str | Path | None = None, *, preset: str | None 
     """Run the comparison; returns ``{"params", "rows"}`` (one row per mode, implementation and batch)."""
     from moekit.integrations.transformers import moe_blocks, patch, unpatch
 
-    specs = [parse_implementation(spec) for spec in implementations]
     if "transformers" not in implementations:
         raise ValueError("implementations must include 'transformers' (the baseline of the ratios and the agreement)")
+    implementations = ["transformers"] + [spec for spec in implementations if spec != "transformers"]
+    specs = [parse_implementation(spec) for spec in implementations]
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"modes must be among {MODES}, got {mode!r}")
@@ -155,44 +156,63 @@ def bench_generation(model_dir: str | Path | None = None, *, preset: str | None 
     blocks = [b for _, b in moe_blocks(model)]
     baseline_impl = model.config._experts_implementation
     rows = []
+
+    def measure(mode: str, spec: str, experts: str, batch: int, reference: dict) -> None:
+        ids = ids_all[:batch].to(dev)
+        run = lambda: _generate(model, ids, new_tokens, pad, mode)  # noqa: E731
+        out = run()  # warm-up: kernels (and graphs) compile here
+        times = []
+        for _ in range(repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = run()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        moe_share = None
+        if mode == "eager":
+            moe_s, wall = moe_time_share(model, blocks, run)
+            moe_share = moe_s / wall
+        seconds = statistics.median(times)
+        if experts == "transformers":
+            reference[batch] = out
+        label = f"transformers ({baseline_impl})" if experts == "transformers" else f"moekit {spec}"
+        row = dict(implementation=label, model=name, layers=num_layers, mode=mode, batch=batch, seconds=seconds,
+                   tokens_per_s=batch * new_tokens / seconds, moe_share=moe_share, **agreement(out, reference[batch]))
+        rows.append(row)
+        share = "" if moe_share is None else f"  MoE {100 * moe_share:5.1f}% of step time"
+        log(f"{mode:>8} {label:>26}  batch {batch:3d}: {row['tokens_per_s']:9.1f} tok/s{share}  "
+            f"agreement {100 * row['prefix_share']:5.1f}% (identical sequences {100 * row['identical_sequences']:.0f}%)")
+
+    def patched(experts: str, policy):
+        if experts != "transformers":
+            patch(model, experts=experts, kernel_config=policy)
+
+    def unpatched(experts: str, mode: str):
+        if experts != "transformers":
+            unpatch(model)
+        if mode == "compiled":
+            _forget_compiled(model)
+
     for mode in modes:
-        reference = {}
-        for spec, (experts, policy) in zip(implementations, specs):
-            if experts != "transformers":
-                patch(model, experts=experts, kernel_config=policy)
+        reference: dict = {}
+        if mode == "eager":
+            # Implementations interleaved per batch size, so a drift of the host's speed during the
+            # run (these rows are host-bound at small batches) touches every implementation alike.
+            for batch in batches:
+                for spec, (experts, policy) in zip(implementations, specs):
+                    patched(experts, policy)
+                    try:
+                        measure(mode, spec, experts, batch, reference)
+                    finally:
+                        unpatched(experts, mode)
+            continue
+        for spec, (experts, policy) in zip(implementations, specs):  # one compilation per implementation
+            patched(experts, policy)
             try:
                 for batch in batches:
-                    ids = ids_all[:batch].to(dev)
-                    run = lambda: _generate(model, ids, new_tokens, pad, mode)  # noqa: E731
-                    out = run()  # warm-up: kernels (and graphs) compile here
-                    times = []
-                    for _ in range(repeats):
-                        _sync(dev)
-                        t0 = time.perf_counter()
-                        out = run()
-                        _sync(dev)
-                        times.append(time.perf_counter() - t0)
-                    moe_share = None
-                    if mode == "eager":
-                        moe_s, wall = moe_time_share(model, blocks, run)
-                        moe_share = moe_s / wall
-                    seconds = statistics.median(times)
-                    if experts == "transformers":
-                        reference[batch] = out
-                    label = f"transformers ({baseline_impl})" if experts == "transformers" else f"moekit {spec}"
-                    row = dict(implementation=label, model=name, layers=num_layers, mode=mode, batch=batch,
-                               seconds=seconds, tokens_per_s=batch * new_tokens / seconds, moe_share=moe_share,
-                               **agreement(out, reference[batch]))
-                    rows.append(row)
-                    share = "" if moe_share is None else f"  MoE {100 * moe_share:5.1f}% of step time"
-                    log(f"{mode:>8} {label:>26}  batch {batch:3d}: {row['tokens_per_s']:9.1f} tok/s{share}  "
-                        f"agreement {100 * row['prefix_share']:5.1f}% "
-                        f"(identical sequences {100 * row['identical_sequences']:.0f}%)")
+                    measure(mode, spec, experts, batch, reference)
             finally:
-                if experts != "transformers":
-                    unpatch(model)
-                if mode == "compiled":
-                    _forget_compiled(model)
+                unpatched(experts, mode)
     base = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["implementation"].startswith("transformers")}
     for r in rows:
         r["speedup_vs_transformers"] = r["tokens_per_s"] / base[(r["mode"], r["batch"])]
