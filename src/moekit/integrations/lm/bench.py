@@ -158,6 +158,17 @@ def bench_generation(model_dir: str | Path | None = None, *, preset: str | None 
     rows = []
 
     def measure(mode: str, spec: str, experts: str, batch: int, reference: dict) -> None:
+        label = f"transformers ({baseline_impl})" if experts == "transformers" else f"moekit {spec}"
+        try:
+            timed(mode, spec, experts, batch, reference, label)
+        except torch.OutOfMemoryError as exc:  # a row that does not fit is reported, not fatal
+            torch.cuda.empty_cache()
+            rows.append(dict(implementation=label, model=name, layers=num_layers, mode=mode, batch=batch,
+                             seconds=None, tokens_per_s=None, moe_share=None, error="out of memory: "
+                             + str(exc).split(".")[0]))
+            log(f"{mode:>8} {label:>26}  batch {batch:3d}: out of GPU memory")
+
+    def timed(mode: str, spec: str, experts: str, batch: int, reference: dict, label: str) -> None:
         ids = ids_all[:batch].to(dev)
         run = lambda: _generate(model, ids, new_tokens, pad, mode)  # noqa: E731
         out = run()  # warm-up: kernels (and graphs) compile here
@@ -175,13 +186,14 @@ def bench_generation(model_dir: str | Path | None = None, *, preset: str | None 
         seconds = statistics.median(times)
         if experts == "transformers":
             reference[batch] = out
-        label = f"transformers ({baseline_impl})" if experts == "transformers" else f"moekit {spec}"
+        agree = agreement(out, reference[batch]) if batch in reference else {}
         row = dict(implementation=label, model=name, layers=num_layers, mode=mode, batch=batch, seconds=seconds,
-                   tokens_per_s=batch * new_tokens / seconds, moe_share=moe_share, **agreement(out, reference[batch]))
+                   tokens_per_s=batch * new_tokens / seconds, moe_share=moe_share, **agree)
         rows.append(row)
         share = "" if moe_share is None else f"  MoE {100 * moe_share:5.1f}% of step time"
         log(f"{mode:>8} {label:>26}  batch {batch:3d}: {row['tokens_per_s']:9.1f} tok/s{share}  "
-            f"agreement {100 * row['prefix_share']:5.1f}% (identical sequences {100 * row['identical_sequences']:.0f}%)")
+            + (f"agreement {100 * row['prefix_share']:5.1f}% (identical sequences "
+               f"{100 * row['identical_sequences']:.0f}%)" if "prefix_share" in row else "(transformers: no row)"))
 
     def patched(experts: str, policy):
         if experts != "transformers":
@@ -215,7 +227,8 @@ def bench_generation(model_dir: str | Path | None = None, *, preset: str | None 
                 unpatched(experts, mode)
     base = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["implementation"].startswith("transformers")}
     for r in rows:
-        r["speedup_vs_transformers"] = r["tokens_per_s"] / base[(r["mode"], r["batch"])]
+        b = base.get((r["mode"], r["batch"]))
+        r["speedup_vs_transformers"] = r["tokens_per_s"] / b if r["tokens_per_s"] and b else None
     params = dict(model=name, model_dir=None if model_dir is None else str(model_dir), preset=preset,
                   layers=num_layers, batches=list(batches), new_tokens=new_tokens, prompt_tokens=prompt_tokens,
                   repeats=repeats, modes=list(modes), implementations=list(implementations), dtype="bfloat16",
