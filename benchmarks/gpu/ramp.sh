@@ -62,7 +62,7 @@ case "$stage" in profile|eval) ;; *) echo "usage: ramp.sh profile|eval [SHAPE] [
 dt=$([ "$dtype" = fp8 ] && echo float8_e4m3fn || echo bfloat16)
 gpu=${RAMP_GPU:-$(python3 -c 'import torch; from moekit.ramp.regions import hardware_for; print(hardware_for().key)')}
 timings="$WORK/profile-$gpu-$shape-$dt-$family-timings.json.gz"
-model="$WORK/$(python3 -c 'import sys; from moekit.ramp.modelfile import model_filename; from moekit.ramp.profile import resolve_shape
+model="$WORK/$(python3 -c 'import sys; from moekit.ramp.modelfile import model_filename; from moekit.bench.ramp_profile import resolve_shape
 print(model_filename(sys.argv[1], resolve_shape(sys.argv[2])[0], sys.argv[3], sys.argv[4]))' "$gpu" "$shape" "$dt" "$family")"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -79,7 +79,7 @@ print(model_filename(sys.argv[1], resolve_shape(sys.argv[2])[0], sys.argv[3], sy
       echo "ramp.sh eval: no profile of $shape $dtype $family on $gpu in $WORK: run the profile stage first (carry build/ramp)" >&2
       exit 1
     fi
-    missing=$(python3 -c 'import sys; from moekit.ramp.profile import complete_token_counts, load_timings
+    missing=$(python3 -c 'import sys; from moekit.bench.ramp_profile import complete_token_counts, load_timings
 t, meta = load_timings(sys.argv[1]); done = set(complete_token_counts(t, meta))
 print(" ".join(str(m) for m in sorted({p.M for p in t.points} - done)))' "$timings") || exit 1
     if [ -n "$missing" ]; then

@@ -17,7 +17,7 @@ import numpy as np
 
 from moekit.ramp import costmodel as cm
 from moekit.ramp.dataset import Timings
-from moekit.ramp.profile import load_timings
+from moekit.bench.ramp_profile import load_timings
 from moekit.ramp.regions import HARDWARE
 
 RESULTS = "benchmarks/results/ramp-nvidia-h100"

@@ -16,7 +16,7 @@ import glob
 
 import numpy as np
 
-from moekit.ramp.profile import load_any_timings, prune_configs
+from moekit.bench.ramp_profile import load_any_timings, prune_configs
 
 H200 = "benchmarks/results/kernel-nvidia-h200/kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz"
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-tp8", "deepseek-v3-ep32", "mixtral-8x7b")

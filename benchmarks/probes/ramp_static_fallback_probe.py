@@ -31,7 +31,7 @@ from moekit.kernels.expert_major import expert_major_default
 from moekit.ramp.dataset import from_kernel_table
 from moekit.ramp.fallback import estimate_us, fallback_choice, templates
 from moekit.ramp.graphs import routing_sweep
-from moekit.ramp.profile import load_any_timings
+from moekit.bench.ramp_profile import load_any_timings
 from moekit.ramp.regions import hardware_for
 
 H200 = "benchmarks/results/kernel-nvidia-h200/kernel-nvidia-h200-1x-20261123T053014Z-table.json.gz"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moekit.bench.ramp import build_parser, trace_points
-from moekit.ramp.profile import make_routing
+from moekit.bench.ramp_profile import make_routing
 from moekit.routing.trace import RoutingTrace
 from moekit.shapes import MoEShape
 

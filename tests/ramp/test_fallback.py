@@ -71,7 +71,7 @@ def test_fp8_fallback_beats_default_config_on_the_h100_profiles(path):
     fallback's choice loses less to the best config than the kernel's static default does."""
     from moekit.kernels.configs import default_config
     from moekit.ramp.analysis import fallback_check, regret_of_choices
-    from moekit.ramp.profile import load_any_timings
+    from moekit.bench.ramp_profile import load_any_timings
 
     t, _ = load_any_timings(path)
     index = {c: i for i, c in enumerate(t.configs)}

@@ -10,7 +10,7 @@ import pytest
 from moekit.cli import main
 from moekit.kernels.configs import config_space
 from moekit.ramp.modelfile import model_filename, save_model
-from moekit.ramp.profile import save_timings
+from moekit.bench.ramp_profile import save_timings
 from moekit.shapes import MoEShape
 
 from .synthetic import grid, synthetic_model, timings_from_model
@@ -115,7 +115,7 @@ def test_usage_errors_exit_nonzero(args):
 def test_expert_major_evaluation_compares_with_the_kernels_own_default():
     from moekit.bench.ramp import evaluate
     from moekit.kernels.expert_major import expert_major_default
-    from moekit.ramp.profile import family_configs
+    from moekit.bench.ramp_profile import family_configs
 
     shape = MoEShape("cli-em", num_experts=8, top_k=2, hidden=256, intermediate=128)
     rng = np.random.default_rng(4)

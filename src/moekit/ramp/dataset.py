@@ -3,7 +3,7 @@
 A :class:`Timings` holds one shape's measured times: points (token count, target and
 realized balancedness, the expert histogram) x configurations. It comes from a
 ``moekit bench kernel`` table (:func:`from_kernel_table`, e.g. the committed H200 dataset) or
-from ``moekit ramp profile`` (:mod:`moekit.ramp.profile`), and feeds the cost-model fit, the
+from ``moekit ramp profile`` (:mod:`moekit.bench.ramp_profile`), and feeds the cost-model fit, the
 ablation and the region check.
 """
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moekit.ramp import profile as pf
+from moekit.bench import ramp_profile as pf
 from moekit.ramp.modelfile import load_model
 from moekit.shapes import MoEShape
 
