@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from moekit.bench.report import format_table, write_record
+    from moekit.outputs import DEFAULT_OUT_DIR, check_output_dir
 
     p = argparse.ArgumentParser(prog="moekit bench experts", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b",
@@ -160,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="comma-separated token counts")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, among {', '.join(SIDES)}")
     p.add_argument("--iters", type=int, default=50, help="timed calls per measurement (median reported)")
-    p.add_argument("--out-dir", default=None, help="folder for the JSON record (default: print only)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="folder for the JSON record (default %(default)s/)")
     args = p.parse_args(argv)
+    check_output_dir(args.out_dir, "--out-dir")
     ms = tuple(int(m) for m in args.ms.split(","))
     if any(not 1 <= m <= 65536 for m in ms):
         raise ValueError(f"--ms must be token counts in [1, 65536], got {args.ms!r}")
@@ -172,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [dict(preset=r["params"]["preset"], **row) for r in results for row in r["rows"]]
     print(format_table(rows, ["preset", "side", "M", "launches", "host_us", "eager_us", "graph_us", "floor_us",
                               "host_syncs"], floatfmt=".1f"))
-    if args.out_dir:
-        path = write_record("experts-call", {"presets": [r["params"] for r in results]}, {"rows": rows},
-                            out_dir=args.out_dir)
-        print(f"record: {path}")
+    path = write_record("experts-call", {"presets": [r["params"] for r in results]}, {"rows": rows},
+                        out_dir=args.out_dir)
+    print(f"record: {path}")
     return 0
 
 

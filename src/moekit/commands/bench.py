@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moekit.commands import check_int
+from moekit.outputs import DEFAULT_OUT_DIR, check_output_dir
 
 DISPATCHERS = ("alltoall",)  # the dispatchers `bench dispatch` can time (moekit.bench.dispatch.DISPATCHERS)
 
@@ -19,6 +20,8 @@ def run_dispatch(args) -> int:
         check_int(flag, value, low)
     if not 0.0 < args.beta <= 1.0:
         raise ValueError(f"--beta must be in (0, 1], got {args.beta}")
+    if not args.no_record:
+        check_output_dir(args.out_dir, "--out-dir")
     cfg = DispatchBenchConfig(shape=args.shape, tokens_per_rank=args.tokens, world_size=args.world_size,
                               dispatcher=args.dispatcher, hidden=args.hidden, top_k=args.top_k,
                               num_experts=args.num_experts, beta=args.beta, iters=args.iters,
@@ -62,11 +65,19 @@ def run_ramp(args) -> int:
 def run_layer(args) -> int:
     from moekit.bench.layer import main_from_args
 
+    if not args.no_record:
+        check_output_dir(args.out_dir, "--out-dir")
     return main_from_args(args)
 
 
 # Benchmarks with a parser of their own: the top-level parser hands them the rest of argv.
-PASS_THROUGH = (run_capspill, run_combine_order, run_kernel, run_lowlatency, run_ramp)
+def run_experts(args) -> int:
+    from moekit.bench.experts_call import main as experts_main
+
+    return experts_main(args.extra)
+
+
+PASS_THROUGH = (run_capspill, run_combine_order, run_experts, run_kernel, run_lowlatency, run_ramp)
 
 
 def register(sub) -> None:
@@ -96,7 +107,7 @@ def register(sub) -> None:
     bd.add_argument("--combine-order", default="slot", choices=["slot", "rank", "both"],
                     help="the dispatcher's combine order: slot, rank (one row per (token, rank) comes back), or "
                          "both, timed in one run (default %(default)s)")
-    bd.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes (default %(default)s)")
+    bd.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON record goes (default %(default)s)")
     bd.add_argument("--no-record", action="store_true", help="do not write a JSON record")
     bd.set_defaults(func=run_dispatch)
     _register_layer(b, PRESETS)
@@ -106,6 +117,10 @@ def register(sub) -> None:
     bo = b.add_parser("combine-order", add_help=False,
                       help="the slot and rank combine orders against a float64 combine (CPU; options: --help)")
     bo.set_defaults(func=run_combine_order)
+    be = b.add_parser("experts", add_help=False,
+                      help="one MoE block's experts call as a transformers model makes it, moekit against "
+                           "transformers (one GPU; options: --help)")
+    be.set_defaults(func=run_experts)
     bk = b.add_parser("kernel", add_help=False,
                       help="time every fused-MoE kernel config over M and routing skew (options: --help)")
     bk.set_defaults(func=run_kernel)
@@ -150,7 +165,7 @@ def _register_layer(b, presets) -> None:
                          "every kernel config auto picks is compiled before the timed loop (default %(default)s)")
     bl.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and routings, >= 0 "
                                                         "(default %(default)s)")
-    bl.add_argument("--out-dir", default="benchmarks/results",
+    bl.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                     help="where the JSON record and the figure go (default %(default)s)")
     bl.add_argument("--no-record", action="store_true", help="write no record or figure")
     bl.set_defaults(func=run_layer)
