@@ -10,8 +10,6 @@ import importlib
 import os
 import sys
 
-import torch
-
 from moekit.commands import MODULES
 
 
@@ -49,10 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"moekit: error: {e}", file=sys.stderr)
         return 2
-    except torch.multiprocessing.ProcessRaisedException as e:  # a rank failed: its last line
-        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+    except Exception as e:
+        if not _rank_failed(e):
+            raise
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]  # a rank failed: its last line
         print(f"moekit: error in a rank: {last}", file=sys.stderr)
         return 2
+
+
+def _rank_failed(error: BaseException) -> bool:
+    """Whether ``error`` is torch's ProcessRaisedException (a spawned rank raised). torch is not imported
+    here: ``moekit --help`` must not pay for it, and a rank can only have failed if torch is loaded already."""
+    mp = sys.modules.get("torch.multiprocessing")
+    return mp is not None and isinstance(error, mp.ProcessRaisedException)
 
 
 if __name__ == "__main__":

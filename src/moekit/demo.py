@@ -11,6 +11,7 @@ routing, the traffic each rank sent and received, the time per step, and two che
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -50,7 +51,7 @@ def step_routing(cfg: DemoConfig, step: int):
                              beta=cfg.beta, seed=cfg.seed * 1000 + step)
 
 
-def _demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict:
+def _demo_rank(rank: int, world_size: int, cfg: DemoConfig, progress: str | None = None) -> dict:
     device, shape, T = current_device(), cfg.shape, cfg.tokens_per_rank
     weights = MoEWeights.random(shape, seed=cfg.seed).to(device=device)
     weights64 = weights.to(dtype=torch.float64, device="cpu")
@@ -77,6 +78,10 @@ def _demo_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict:
         out["roundtrip_exact"].append(bool(torch.equal(roundtrip.cpu(), want)))
         out["sent"].append(dispatched.handle.state["send_splits"])
         out["received"].append(dispatched.handle.state["recv_splits"])
+        if progress and rank == 0:  # the ranks are other processes: rank 0 tells the user as each step ends
+            print(f"  step {step + 1}/{cfg.steps}: {out['step_ms'][-1]:.2f} ms on rank 0, relative error "
+                  f"{out['rel_err'][-1]:.2e}, round trip bitwise: {'yes' if out['roundtrip_exact'][-1] else 'NO'}",
+                  file=getattr(sys, progress), flush=True)
     out["device"] = str(device)
     return out
 
@@ -91,8 +96,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_demo(cfg: DemoConfig) -> dict:
-    """Run the demo and return its report as a dict (what ``--json`` prints)."""
+def run_demo(cfg: DemoConfig, progress: str | None = None) -> dict:
+    """Run the demo and return its report as a dict (what ``--json`` prints).
+
+    ``progress``: ``"stdout"`` or ``"stderr"`` to print the header (:func:`format_header`) at once and a
+    line per step as rank 0 finishes it (spawning the ranks and the steps take seconds each on a CPU);
+    None for silence."""
+    if progress not in (None, "stdout", "stderr"):
+        raise ValueError(f"progress must be None, 'stdout' or 'stderr', got {progress!r}")
     for name, value in (("world_size", cfg.world_size), ("tokens_per_rank", cfg.tokens_per_rank),
                         ("steps", cfg.steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -100,7 +111,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     cfg.shape.experts_per_rank(cfg.world_size)  # raises when P does not divide E
     step_routing(cfg, 0)  # bad routing parameters (beta) raise here, not inside the ranks
     backend = default_backend(cfg.world_size)
-    ranks = launch(_demo_rank, cfg.world_size, cfg, backend=backend)
+    if progress:
+        stream = getattr(sys, progress)
+        devices = ["cpu"] if backend == "gloo" else [f"cuda:{r}" for r in range(cfg.world_size)]
+        print("\n".join(format_header(asdict(cfg), asdict(cfg.shape), backend, devices)), file=stream)
+        print(f"  starting {cfg.world_size} ranks ...", file=stream, flush=True)
+    ranks = launch(_demo_rank, cfg.world_size, cfg, progress, backend=backend)
     s, P = cfg.shape, cfg.world_size
     all_ids = torch.stack([step_routing(cfg, step)[0] for step in range(cfg.steps)])  # [steps, P*T, K]
     counts = expert_counts(all_ids, s.num_experts)  # [steps, E]
@@ -135,17 +151,25 @@ def run_demo(cfg: DemoConfig) -> dict:
     }
 
 
-def format_demo(report: dict) -> str:
-    """The human-readable report."""
-    cfg, s, r = report["config"], report["config"]["shape"], report["routing"]
-    P, E = cfg["world_size"], s["num_experts"]
-    lines = [
-        f"moekit demo: one expert-parallel MoE layer on {P} local ranks "
-        f"({report['backend']}, {', '.join(report['devices'])})",
-        f"  shape   {s['name']}: {E} experts, top-{s['top_k']}, hidden {s['hidden']}, "
-        f"expert width {s['intermediate']} -> {E // P} experts per rank",
+def format_header(cfg: dict, shape: dict, backend: str, devices: list[str]) -> list[str]:
+    """The report's first lines: what runs where (``cfg``, ``shape``: the config and its shape as dicts)."""
+    P, E = cfg["world_size"], shape["num_experts"]
+    return [
+        f"moekit demo: one expert-parallel MoE layer on {P} local ranks ({backend}, {', '.join(devices)})",
+        f"  shape   {shape['name']}: {E} experts, top-{shape['top_k']}, hidden {shape['hidden']}, "
+        f"expert width {shape['intermediate']} -> {E // P} experts per rank",
         f"  batch   {cfg['tokens_per_rank']} tokens per rank, {cfg['steps']} steps, synthetic routing "
         f"(target balancedness {cfg['beta']:.2f}; 1.00 = perfectly even)",
+    ]
+
+
+def format_demo(report: dict, header: bool = True) -> str:
+    """The human-readable report; ``header=False`` leaves out :func:`format_header`'s lines (printed already
+    by ``run_demo(..., progress=...)``)."""
+    cfg, s, r = report["config"], report["config"]["shape"], report["routing"]
+    E = s["num_experts"]
+    lines = format_header(cfg, s, report["backend"], report["devices"]) if header else []
+    lines += [
         "",
         "Routing (all ranks' tokens)",
         f"  balancedness per step   {' '.join(f'{b:.3f}' for b in r['balancedness_per_step'])}",

@@ -386,3 +386,46 @@ def test_cli_dry_run_and_errors(capsys):
     assert "qwen3-30b-a3b" in out and "estimated run time" in out
     assert main(["bench", "kernel", "--tiny", "--dry-run", "--betas", "0"]) == 2
     assert "betas must be" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the interpreter's estimate")
+def test_cpu_estimate_is_near_the_measured_run(capsys):
+    """`bench kernel --tiny` (the CPU defaults) took 166-218 s on a 2-core CPU, 40 s at M = 1 and 113 s at
+    M = 16: the estimate must be within 2x of those (it said 38 s in all, 9 s per M)."""
+    from moekit.cli import main
+
+    assert main(["bench", "kernel", "--tiny", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    total = float(out.split("estimated run time: ")[1].split(" s")[0])
+    assert 218 / 2 <= total <= 166 * 2, out
+    bench = KernelBench(KernelBenchConfig(models=("mixtral-8x7b",), m_values=(1, 16), betas=(1.0, 0.5), iters=3,
+                                          warmup=1, config_stride=20, hidden=64, intermediate=32))
+    groups = bench.estimate()["groups_s"]
+    assert 40 / 2 <= groups[("mixtral-8x7b", 1)] <= 40 * 2 and 113 / 2 <= groups[("mixtral-8x7b", 16)] <= 113 * 2
+
+
+@pytest.mark.skipif(not ON_CPU, reason="what a CPU run prints")
+def test_cpu_run_says_it_is_a_smoke_run_and_judges_no_goal(tmp_path, capsys):
+    """One line says what a CPU run is; no GPU goal verdicts (they were all FAIL on the CPU)."""
+    from moekit.cli import main
+
+    assert main(["bench", "kernel", "--tiny", "--models", "mixtral-8x7b", "--m", "1", "--betas", "1",
+                 "--config-stride", "1000", "--iters", "1", "--warmup", "0", "--copy-mb", "8", "--matmul-n", "64",
+                 "--out-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert sum("CPU smoke run at toy size" in line for line in (out + err).splitlines()) == 1, out
+    assert out.splitlines()[0].startswith("CPU smoke run at toy size") and "ignore its timings" in out
+    assert "goal " not in out and "goal " not in err and "GPU" not in out
+    assert list(tmp_path.glob("kernel-*.json"))
+
+
+def test_help_names_each_default_once():
+    """`bench kernel --help` said "(default: ...) (default: None)" for the options whose default follows the
+    device."""
+    from moekit.bench.kernel import build_parser
+
+    parser = build_parser()
+    assert "(default: None)" not in parser.format_help()
+    for action in parser._actions:
+        text = parser._get_formatter()._expand_help(action) if action.help else ""
+        assert text.count("(default") <= 1, (action.option_strings, text)

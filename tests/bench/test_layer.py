@@ -74,7 +74,8 @@ def test_the_record_names_the_kernel_configs_and_the_choice(cpu_record):
     text = format_layer_bench(cpu_record)
     for v in VARIANTS:
         assert v in text
-    assert "checks the command" in text and "all variants within their bounds" in text
+    assert "all variants within their bounds" in text
+    assert "checks the command" in cpu_record["params"]["timing"]  # (the command prints the one CPU line)
     if "figures" in cpu_record:  # matplotlib is optional
         assert os.path.getsize(cpu_record["figures"][0]) > 0
 
@@ -125,6 +126,17 @@ def test_cli_runs_and_prints_progress(capfd, tmp_path):
     assert "[bench layer] ll-bf16+torch T=2: eager" in err and "[bench layer] alltoall+torch T=2" in err
     assert "ll-bf16+torch" in out and "alltoall+torch" in out and "record:" not in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_run_says_it_is_a_smoke_run_and_gives_no_gpu_advice(capfd):
+    """One line says what a CPU run is; RaMP's advice to profile the shape "on this GPU" (printed by each
+    rank: twice) is not given on the CPU."""
+    assert main(["bench", "layer", "--tokens", "1", "--iters", "1", "--warmup", "0", "--routings", "1",
+                 "--variants", "ll-fp8+fused_fp8+auto", "--no-record"]) == 0
+    out, err = capfd.readouterr()
+    assert out.splitlines()[0].startswith("CPU smoke run at toy size") and "ignore its timings" in out
+    assert sum("CPU smoke run" in line for line in (out + err).splitlines()) == 1, out + err
+    assert "on this GPU" not in out + err and "profile" not in out + err, out + err
 
 
 @pytest.mark.parametrize("argv, words", [

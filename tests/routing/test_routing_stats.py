@@ -218,10 +218,20 @@ def test_default_capacity_is_ceil_q99_and_report_is_readable(small_trace):
         assert needle in text
 
 
+def test_capacity_zero_overflows_everything(small_trace):
+    """C = 0 (the command's help allows it): every routed slot overflows; a buffer of no rows has no padding."""
+    trace, P = small_trace
+    stats = trace_stats(trace, P, capacity=0)
+    assert stats.capacity == 0 and stats.overflow_token_fraction == 1.0 and stats.padding_waste_at_capacity == 0.0
+    counts = np.asarray(peer_counts(trace.topk_ids, trace.num_experts, P))
+    assert stats.overflow_slice_fraction == pytest.approx(float((counts > 0).mean()))
+
+
 def test_trace_stats_rejects_bad_arguments(small_trace):
     trace, P = small_trace
-    with pytest.raises(ValueError, match="capacity"):
-        trace_stats(trace, P, capacity=0)
+    for bad in (-1, 2**31, 10**20, 1.5, True):
+        with pytest.raises(ValueError, match=r"capacity must be an int in \[0, 2147483647\]"):
+            trace_stats(trace, P, capacity=bad)
     with pytest.raises(ValueError, match="quantiles"):
         trace_stats(trace, P, quantiles=(1.5,))
     with pytest.raises(ValueError, match="world_size"):

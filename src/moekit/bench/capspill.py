@@ -42,12 +42,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moekit.bench.report import format_table, new_figure, save_figure, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.timing import capture_graph, time_distributed
 from moekit.ep import AllToAllDispatcher, current_device, default_backend, launch
 from moekit.ep.capacity import calibrate_capacity, overflow_fractions, spill_capacity, trace_peer_counts
 from moekit.ep.capspill import CapAndSpillDispatcher, MaxCountsDispatcher
+from moekit.outputs import check_output_dir
 from moekit.routing.trace import RoutingTrace
 
 # The paper's numbers (8x A100 NVLink, Mixtral-8x7B traces, P = 8), for side-by-side tables.
@@ -361,7 +362,7 @@ def _bench_rank(rank: int, world_size: int, plan: _Plan) -> dict | None:
 
 
 def run_capspill_bench(cfg: CapSpillBenchConfig, *, trace: RoutingTrace | None = None,
-                       out_dir: str | None = "benchmarks/results", figures: bool = True) -> dict:
+                       out_dir: str | None = DEFAULT_OUT_DIR, figures: bool = True) -> dict:
     """Run the benchmark on ``cfg.world_size`` local ranks; write and return the record.
 
     ``trace`` overrides the configured trace. With ``out_dir`` the JSON record is written
@@ -621,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"steps checked bitwise against eager, >= 0 {by_device('verify_steps')}")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the inputs and weights, >= 0 (default %(default)s)")
-    p.add_argument("--out-dir", default="benchmarks/results",
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                    help="where the JSON record and figures go (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record or figures")
     return p
@@ -637,6 +638,8 @@ def config_from_args(args) -> CapSpillBenchConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.no_record:
+        check_output_dir(args.out_dir, "--out-dir")
     record = run_capspill_bench(config_from_args(args), out_dir=None if args.no_record else args.out_dir)
     print(format_capspill_bench(record))
     return 0 if all(v["exact"] for v in record["results"]["verification"].values()) else 1

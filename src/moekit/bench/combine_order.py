@@ -23,9 +23,10 @@ import sys
 
 import torch
 
-from moekit.bench.report import format_table, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, format_table, write_record
 from moekit.ep.dispatcher import weighted_rank_sum, weighted_slot_sum
 from moekit.ep.lowlatency.buffers import DEFAULT_BETA
+from moekit.outputs import check_output_dir
 from moekit.routing import synthetic_routing
 from moekit.shapes import get_shape
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=DEFAULT_BETA,
                    help="routing balancedness in (0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of routing and outputs, >= 0 (default %(default)s)")
-    p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes (default %(default)s)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON record goes (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record")
     return p
 
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--tokens and --world-sizes must be >= 1, --seed >= 0")
     if not 0 < args.beta <= 1:
         raise ValueError(f"--beta must be in (0, 1], got {args.beta}")
+    if not args.no_record:
+        check_output_dir(args.out_dir, "--out-dir")
     rows = []
     for shape in args.shapes:
         for P in args.world_sizes:

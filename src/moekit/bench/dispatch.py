@@ -27,7 +27,7 @@ from itertools import cycle
 
 import torch
 
-from moekit.bench.report import format_table, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, format_table, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.timing import time_distributed
 from moekit.ep import AllToAllDispatcher, current_device, default_backend, launch
@@ -133,7 +133,7 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
     return out
 
 
-def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = "benchmarks/results") -> dict:
+def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = DEFAULT_OUT_DIR) -> dict:
     """Run the benchmark on ``cfg.world_size`` local ranks; write and return the record."""
     if cfg.dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {cfg.dispatcher!r}")

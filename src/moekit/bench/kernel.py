@@ -59,10 +59,11 @@ from moekit.bench.kernel_report import (
     summarize_table,
 )
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.report import environment, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, cpu_smoke_line, environment, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.timing import DEFAULT_FLUSH_BYTES, L2Flusher, capture_graph, queue_cold, time_cold
 from moekit.bench.triton_kernels import load_kernels
+from moekit.outputs import check_output_dir
 from moekit.routing import balancedness, expert_counts, synthetic_routing
 from moekit.shapes import MoEShape, get_shape
 
@@ -282,7 +283,15 @@ EST_FIXED_US = 20.0  # alignment (one or two Triton launches) + memset + cast in
 EST_SLOWDOWN = 2.5  # average config vs the roofline time
 EST_POINT_S = 0.5  # per point: routing, baseline (+ reference check), alignment timing
 EST_ROUTING_S_PER_4K = 1.0  # synthetic_routing's bisection at M = 4096
-EST_INTERPRET_CALL_S = 0.2  # one fused_moe call in Triton's interpreter (tiny shapes)
+# Triton's interpreter runs each program of a launch in Python: a call's time follows the experts the
+# routing touches (their row blocks) and, less, the experts in all (the sorted layout's padding). Fitted
+# to calls on a 2-core CPU (with other work beside it) at the --tiny sizes, mean over configs: mixtral
+# 0.7 s at M = 1 and 2.1 s at M = 16, olmoe 1.2 / 10.4 s, deepseek-v3-tp8 (E = 256) 2.3 / 18.8 s;
+# larger H and N cost about sqrt(H N) more (x1.7-2.7 at 4x the tiny H N). align_tokens: 0.4 s a call.
+EST_INTERPRET_CALL_S = 0.17  # one fused_moe call in the interpreter, at the --tiny sizes: fixed part ...
+EST_INTERPRET_TOUCHED_S = 0.24  # ... per expert the routing touches ...
+EST_INTERPRET_EXPERT_S = 0.006  # ... and per expert of the shard
+EST_INTERPRET_ALIGN_S = 0.4  # one align_tokens call
 NOMINAL_HBM_GBPS, NOMINAL_TFLOPS = 4300.0, 790.0  # the reference device's rates (the H200 preset)
 
 
@@ -296,14 +305,19 @@ def _roofline_us(shape: BenchShape, M: int, elem_bytes: int) -> float:
 
 
 def estimate_group_s(shape: BenchShape, M: int, n_configs: int, cfg: KernelBenchConfig, on_gpu: bool,
-                     elem_bytes: int) -> float:
-    """Estimated seconds for one (shape, M): every config at every beta."""
+                     elem_bytes: int, n_block_sizes: int = 1) -> float:
+    """Estimated seconds for one (shape, M): every config at every beta (``n_block_sizes``: the
+    configs' distinct block rows, each an alignment timed per point)."""
     n_b = len(cfg.betas)
     routing = n_b * (EST_POINT_S + EST_ROUTING_S_PER_4K * M / 4096)
     reps = cfg.iters + cfg.warmup
-    if not on_gpu:
-        return routing + n_configs * n_b * (reps + 1) * EST_INTERPRET_CALL_S
     touched = shape.num_experts * (1 - (1 - 1 / shape.routed_experts) ** (M * shape.top_k))
+    if not on_gpu:
+        size = math.sqrt(shape.hidden * shape.intermediate / (TINY_HIDDEN * TINY_INTERMEDIATE))
+        call_s = max(size, 1.0) * (EST_INTERPRET_CALL_S + EST_INTERPRET_TOUCHED_S * touched
+                                   + EST_INTERPRET_EXPERT_S * shape.num_experts)
+        align_s = n_block_sizes * reps * EST_INTERPRET_ALIGN_S
+        return routing + n_b * (align_s + n_configs * (reps + 1) * call_s)  # + 1: the checked call
     flushed = cfg.always_flush or touched * shape.expert_bytes_per_elem * elem_bytes < FLUSH_SKIP_FACTOR * 60e6
     flush_us = cfg.flush_mb * 2**20 / (NOMINAL_HBM_GBPS * 1e3) if flushed else 0.0
     gpu_us = flush_us + cfg.queue_ahead_us + EST_FIXED_US + EST_SLOWDOWN * _roofline_us(shape, M, elem_bytes)
@@ -481,7 +495,8 @@ class KernelBench:
 
     def estimate(self) -> dict:
         cfg, workers = self.cfg, self._workers()
-        groups = {(s.name, M): estimate_group_s(s, M, len(self.timed_configs(s)[0]), cfg, self.on_gpu, self.elem)
+        groups = {(s.name, M): estimate_group_s(s, M, len(self.timed_configs(s)[0]), cfg, self.on_gpu, self.elem,
+                                                len({c.bm for c in self.timed_configs(s)[0]}))
                   for s in self.shapes for M in cfg.m_values}
         kernels = sum(compiled_kernels(c, cfg.m_values) for s in self.shapes for c in self.timed_configs(s)[0])
         compile_s = estimate_compile_s(kernels, workers) if self.on_gpu else 0.0
@@ -788,8 +803,8 @@ def _by_device(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = KernelBenchConfig()
-    p = argparse.ArgumentParser(prog="moekit bench kernel", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each help names its default itself (several differ between GPUs and the CPU): no defaults formatter.
+    p = argparse.ArgumentParser(prog="moekit bench kernel", description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=None, choices=MODELS, metavar="MODEL",
                    help=f"model shapes: %(choices)s {_by_device('models')}")
     p.add_argument("--m", dest="m_values", type=int, nargs="+", default=None,
@@ -802,25 +817,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-iters", type=int, default=None,
                    help="timed replays for a config whose check replay took >= --slow-factor x the fastest so far "
                         "at that point (default: --iters for every config)")
-    p.add_argument("--slow-factor", type=float, default=d.slow_factor, help="see --slow-iters; > 1")
+    p.add_argument("--slow-factor", type=float, default=d.slow_factor,
+                   help="see --slow-iters; > 1 (default %(default)s)")
     p.add_argument("--config-stride", type=int, default=None,
                    help=f"time every n-th config of the space, >= 1 {_by_device('config_stride')}")
-    p.add_argument("--config-offset", type=int, default=d.config_offset, help="... starting at this index, >= 0")
+    p.add_argument("--config-offset", type=int, default=d.config_offset,
+                   help="... starting at this index, >= 0 (default %(default)s)")
     p.add_argument("--dtype", default=None, choices=list(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--tiny", action="store_true", help=f"H={TINY_HIDDEN}, N={TINY_INTERMEDIATE} (CPU runs)")
     p.add_argument("--hidden", type=int, default=None, help="replace every shape's H")
     p.add_argument("--intermediate", type=int, default=None, help="replace every shape's N")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs and routing, >= 0")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the inputs and routing, >= 0 (default %(default)s)")
     p.add_argument("--baseline", default=d.baseline, choices=BASELINE_IMPLS,
-                   help="the torch baseline: %(choices)s (auto: grouped_mm where torch has it)")
-    p.add_argument("--tol", type=float, default=d.tol, help="max relative error vs the baseline, in (0, 1)")
+                   help="the torch baseline: %(choices)s (auto: grouped_mm where torch has it; default %(default)s)")
+    p.add_argument("--tol", type=float, default=d.tol,
+                   help="max relative error vs the baseline, in (0, 1) (default %(default)s)")
     p.add_argument("--compile-workers", type=int, default=None,
                    help="processes filling Triton's cache first, >= 0 (default: min(16, cores) on GPU; 0: none)")
-    p.add_argument("--flush-mb", type=int, default=d.flush_mb, help="L2 flush read before each timed replay, >= 0")
+    p.add_argument("--flush-mb", type=int, default=d.flush_mb,
+                   help="L2 flush read before each timed replay, >= 0 (default %(default)s)")
     p.add_argument("--always-flush", action="store_true",
                    help=f"flush also where the touched weights are >= {FLUSH_SKIP_FACTOR}x L2")
     p.add_argument("--queue-ahead-us", type=float, default=d.queue_ahead_us,
-                   help="GPU sleep per timed replay queued ahead, so the host's launches are not timed, >= 0")
+                   help="GPU sleep per timed replay queued ahead, so the host's launches are not timed, >= 0 "
+                        "(default %(default)s)")
     p.add_argument("--copy-mb", type=int, default=None, help="HBM ceiling copy size (default 1024 GPU / 64 CPU)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul ceiling size (default 8192 GPU / 256 CPU)")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -828,7 +849,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
     p.add_argument("--merge", nargs="+", default=None, metavar="TABLE",
                    help="no run: merge these -table.json.gz files and write one report")
-    p.add_argument("--out-dir", default="benchmarks/results", help="where the record, table and figures go")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="where the record, table and figures go (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record, table or figures")
     return p
 
@@ -862,6 +884,8 @@ def _print_outputs(record: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out_dir = None if args.no_record else args.out_dir
+    if out_dir is not None and not args.dry_run:
+        check_output_dir(out_dir, "--out-dir")
     if args.merge:
         record = write_outputs(merge_tables([load_table(p) for p in args.merge]), out_dir)
         _print_outputs(record)
@@ -870,6 +894,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(bench.describe())
         return 0
+    if not bench.on_gpu:
+        print(cpu_smoke_line("timings, bandwidths and speedups (Triton's interpreter, host clock)"),
+              flush=True)
     record = write_outputs(bench.run(), out_dir)
     _print_outputs(record)
     return 0

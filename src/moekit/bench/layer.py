@@ -59,13 +59,15 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from moekit.bench.report import format_table, new_figure, save_figure, write_record
+from moekit.bench.report import (DEFAULT_OUT_DIR, cpu_smoke_line, format_table, new_figure, save_figure,
+                                 write_record)
 from moekit.bench.stats import summarize
 from moekit.bench.timing import gather_samples, rank_aligner
 from moekit.shapes import PRESETS, MoEShape, get_shape
@@ -371,6 +373,8 @@ def _bench_rank(rank: int, world_size: int, cfg: LayerBenchConfig) -> dict:
 
     device = current_device()
     on_cuda = device.type == "cuda"
+    if not on_cuda:  # RaMP's advice to profile the shape on the GPU means nothing for a CPU smoke run
+        warnings.filterwarnings("ignore", message="moekit.ramp: no fitted model")
     dtype = torch.bfloat16 if on_cuda else torch.float32  # the interpreter's dots are exact in fp32, not bf16
     shape = cfg.moe_shape()
     variants = parse_variants(cfg.variants)
@@ -427,7 +431,7 @@ def _bench_rank(rank: int, world_size: int, cfg: LayerBenchConfig) -> dict:
 # --------------------------------------------------------------------------------- driver
 
 
-def run_layer_bench(cfg: LayerBenchConfig, *, out_dir: str | None = "benchmarks/results",
+def run_layer_bench(cfg: LayerBenchConfig, *, out_dir: str | None = DEFAULT_OUT_DIR,
                     figures: bool = True) -> dict:
     """Run every variant at every T on ``cfg.world_size`` local ranks; write and return the record."""
     from moekit.ep import default_backend, launch
@@ -540,9 +544,6 @@ def format_layer_bench(record: dict) -> str:
         *[f"{name}: {how}" for name, how in r["choices"].items()],
         *[f"note: {n}" for n in r["notes"]],
     ]
-    if p["backend"] != "nccl":
-        lines.append("note: CPU run (gloo, Triton's interpreter, float32): it checks the command and the numerics; "
-                     "its times mean nothing")
     lines.append("checks: " + ("all variants within their bounds" if r["checks_passed"] else
                                "FAILED: " + ", ".join(f"{row['variant']} T={row['T']}" for row in r["rows"]
                                                       if not row["ok"])))
@@ -577,9 +578,13 @@ def draw_layer_figure(record: dict, path: str | Path) -> Path:
 
 def main_from_args(args) -> int:
     """``moekit bench layer``: run, print the table, 1 if a variant failed its check."""
+    from moekit.ep import default_backend
+
     cfg = LayerBenchConfig(shape=args.shape, tokens=None if args.tokens is None else tuple(args.tokens),
                            world_size=args.world_size, variants=tuple(args.variants), iters=args.iters,
                            warmup=args.warmup, graph=args.graph, routings=args.routings, seed=args.seed)
+    if default_backend(cfg.world_size) != "nccl":  # gloo ranks, Triton's interpreter, a tiny float32 shape
+        print(cpu_smoke_line("timings and ratios (not its error checks)"), flush=True)
     record = run_layer_bench(cfg, out_dir=None if args.no_record else args.out_dir)
     print(format_layer_bench(record))
     return 0 if record["results"]["checks_passed"] else 1

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.perfetto import load_trace
-from moekit.bench.report import format_table, new_figure, save_figure, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, format_table, new_figure, save_figure, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.timing import capture_graph, gather_samples, queue_timed, rank_aligner
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, current_device, default_backend, launch
@@ -65,6 +65,7 @@ from moekit.ep.dispatcher import weighted_slot_sum
 from moekit.ep.lowlatency.buffers import DEFAULT_BETA as DEFAULT_BUFFER_BETA
 from moekit.ep.lowlatency.buffers import DEFAULT_EPS as DEFAULT_BUFFER_EPS
 from moekit.ep.lowlatency.buffers import DEFAULT_SHAPES as DEFAULT_BUFFER_SHAPES
+from moekit.outputs import check_output_dir
 from moekit.shapes import get_shape
 
 METHODS = ("lowlatency", "alltoall", "vdev2d")
@@ -503,7 +504,7 @@ def measure_peer_bandwidth(mb: int) -> float | None:
 # --------------------------------------------------------------------------------- driver
 
 
-def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = "benchmarks/results",
+def run_lowlatency_bench(cfg: LowLatencyBenchConfig, *, out_dir: str | None = DEFAULT_OUT_DIR,
                          figures: bool = True) -> dict:
     """Run every method on ``cfg.world_size`` local ranks; write and return the record."""
     backend = default_backend(cfg.world_size)
@@ -729,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-dir", default=None, help="write Perfetto traces of a profiled run here")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the inputs and routings, >= 0 (default %(default)s)")
-    p.add_argument("--out-dir", default="benchmarks/results",
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                    help="where the JSON record and figure go (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record or figure")
     b = p.add_argument_group("buffer report (--buffers: nothing is timed)")
@@ -813,6 +814,8 @@ def run_buffer_report(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.no_record:
+        check_output_dir(args.out_dir, "--out-dir")
     if args.buffers:
         record = run_buffer_report(args)
         print(record["text"] + (f"\nrecord: {record['path']}" if "path" in record else ""))

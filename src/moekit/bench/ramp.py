@@ -2,7 +2,7 @@
 
 For one shape, precision and kernel family on this GPU:
 
-1. (``--profile``) profile the shape first, in this process (``moekit.ramp.profile``), so the
+1. (``--profile``) profile the shape first, in this process (``moekit.bench.ramp_profile``), so the
    evaluation reuses its compiled and loaded kernels; else use ``--model`` (a model file, or
    the one ``moekit.ramp`` finds for this GPU);
 2. time *every* configuration of the model (and ``default_config``, and the fallback's
@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moekit.ramp.profile import DEFAULT_CAPACITY, PointSpec
+from moekit.outputs import DEFAULT_OUT_DIR, check_output_dir
+from moekit.bench.ramp_profile import DEFAULT_CAPACITY, PointSpec
 
 EVAL_M = (4, 32, 128, 512, 16, 256, 4096)  # between / beyond the profiling grid (16, 256: beta only)
 EVAL_BETAS = (1.0, 0.9, 0.75, 0.6, 0.45)
@@ -140,7 +141,7 @@ def evaluate(model, t_eval, t_profile=None, *, device_choices: list[int] | None 
     from moekit.ramp import analysis
     from moekit.ramp.costmodel import fit, regret
     from moekit.ramp.fallback import fallback_choice, templates
-    from moekit.ramp.profile import prune_configs
+    from moekit.bench.ramp_profile import prune_configs
 
     hw = hw or model.hardware
     index = {c: i for i, c in enumerate(t_eval.configs)}
@@ -340,7 +341,7 @@ def selector_cost(selector, shape, M_values, routed: int, layers: int, iters: in
     selector's captured selection (``Selector.graphed_reads``); ``per_layer_us``: the
     selector's own mode amortized over ``layers``."""
     from moekit.bench.timing import time_fn, time_graph_replay
-    from moekit.ramp.profile import make_routing
+    from moekit.bench.ramp_profile import make_routing
     from moekit.ramp.select import choose_device
 
     out = {}
@@ -383,7 +384,7 @@ def graph_section(selector, timer, shape, routed, m_values, t_eval=None, iters: 
     from moekit.bench.timing import queue_cold
     from moekit.kernels import fused_moe
     from moekit.ramp.graphs import GraphedMoE, conditional_nodes_available
-    from moekit.ramp.profile import make_routing
+    from moekit.bench.ramp_profile import make_routing
 
     from moekit.bench.timing import L2Flusher
 
@@ -432,7 +433,7 @@ def fallback_shapes_section(timer_factory, specs: list[tuple], dtype: str, log) 
     """Shapes outside the presets: the fallback's choice vs default_config vs the torch baseline."""
     from moekit.kernels.configs import default_config
     from moekit.ramp.fallback import fallback_choice, templates
-    from moekit.ramp.profile import make_routing
+    from moekit.bench.ramp_profile import make_routing
     from moekit.ramp.regions import hardware_for
 
     out = {}
@@ -500,29 +501,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-m", type=int, nargs="*", default=[16, 128, 1024])
     p.add_argument("--from-timings", default=None, help="no GPU: re-evaluate saved evaluation timings")
     p.add_argument("--profile-timings", default=None, help="the profiling timings (ablation, pruning check)")
-    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="where the record, figure and timings go (default %(default)s)")
     p.add_argument("--tiny", action="store_true", help="CPU: tiny H / N in Triton's interpreter")
     p.add_argument("--config-stride", type=int, default=1, help="profile / evaluate every n-th config (tests)")
     return p
 
 
 def _fallback_specs(args) -> list[tuple]:
+    """The ``--fallback-shape`` sections' ((E, K, H, N), Ms); called before any work, so that a bad
+    shape is refused at once rather than after the evaluation's hours."""
     out = []
     for s in args.fallback_shape:
         try:
             E, K, H, N = (int(v) for v in s.split(","))
         except ValueError:
             raise ValueError(f"--fallback-shape takes E,K,H,N (four ints), got {s!r}") from None
+        if min(E, K, H, N) < 1 or K > E:
+            raise ValueError(f"--fallback-shape E,K,H,N must be ints >= 1 with K <= E, got {s!r}")
         out.append(((E, K, H, N), tuple(args.fallback_m)))
+    if out and any(m < 1 for m in args.fallback_m):
+        raise ValueError(f"--fallback-m must be ints >= 1, got {args.fallback_m}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    specs = _fallback_specs(args)  # checked now: its sections run last
+    check_output_dir(args.out_dir, "--out-dir")
     from moekit.bench.report import write_record
     from moekit.ramp.dataset import Timings
     from moekit.ramp.modelfile import dtype_name, find_model, load_model
-    from moekit.ramp.profile import (ConfigTimer, ProfileSpec, TimerSpec, load_timings, profile, resolve_shape,
+    from moekit.bench.ramp_profile import (ConfigTimer, ProfileSpec, TimerSpec, load_timings, profile, resolve_shape,
                                      save_timings)
     from moekit.ramp.regions import hardware_for
 
@@ -593,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     device_choices = None
     if args.family == "token":
         device_choices = []
-        from moekit.ramp.profile import make_routing
+        from moekit.bench.ramp_profile import make_routing
 
         for p in points:  # the selector on the device, from the point's own routing
             r = make_routing(shape, routed, p)
@@ -625,7 +635,6 @@ def main(argv: list[str] | None = None) -> int:
                     ev["graph"] = {"error": f"{type(error).__name__}: {error}"}
             else:
                 ev["graph"] = {"skipped": f"deadline: {left():.0f} s left"}
-        specs = _fallback_specs(args)
         if specs:
             # Few configs per shape, large weights: a small compile pool (each process holds the weights).
             factory = lambda s: ConfigTimer(TimerSpec(s, s.num_experts, dtype, "token", iters=args.iters,  # noqa: E731

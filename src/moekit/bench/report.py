@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from moekit.jsonfile import read_json
+from moekit.outputs import DEFAULT_OUT_DIR  # noqa: F401  (re-exported: the records' default folder)
 
 RECORD_KEYS = ("kind", "environment", "params", "results")
 
@@ -110,6 +111,12 @@ def environment() -> dict:
     }
 
 
+def cpu_smoke_line(ignore: str) -> str:
+    """The one line a command prints when it runs on the CPU, where its sizes are toys and its numbers
+    say nothing about a GPU: ``ignore`` names the numbers to disregard (e.g. "timings")."""
+    return f"CPU smoke run at toy size: it checks that the command works end to end; ignore its {ignore}"
+
+
 # -------------------------------------------------------------------------------- records
 
 
@@ -160,7 +167,7 @@ def write_record(
     kind: str,
     params: dict,
     results: dict,
-    out_dir: str | Path = "benchmarks/results",
+    out_dir: str | Path = DEFAULT_OUT_DIR,
     name: str | None = None,
 ) -> Path:
     """Write a benchmark record as JSON and return its path.

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.report import environment, record_filename, to_jsonable
+from moekit.bench.report import DEFAULT_OUT_DIR, environment, record_filename, to_jsonable
 from moekit.bench.stats import summarize
 from moekit.bench.tax_blocks import elem_bytes, make_moe_weights, route, run_device, skew_bias
 from moekit.shapes import MoEShape
@@ -359,7 +359,7 @@ def grouped_sample(row: dict, stream, bw: float, elem: int) -> LaunchSample:
 # --------------------------------------------------------------------------- the run
 
 
-def run_calibrate(cfg: CalibrateConfig | None = None, out_dir: str | None = "benchmarks/results",
+def run_calibrate(cfg: CalibrateConfig | None = None, out_dir: str | None = DEFAULT_OUT_DIR,
                   log: Callable[[str], None] | None = print) -> tuple[Calibration, str | None]:
     """Time everything, fit, write ``tax-calibration-<device>-1x-<time>.json`` to ``out_dir``
     (None: write nothing); return the calibration and the path."""

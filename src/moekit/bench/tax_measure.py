@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.report import environment, to_jsonable, write_record
+from moekit.bench.report import DEFAULT_OUT_DIR, environment, to_jsonable, write_record
 from moekit.bench.stats import summarize
 from moekit.bench.tax_blocks import (_verify_dense, _verify_moe, block_memory, check_memory, dense_intermediates,
                                      elem_bytes, make_dense_weights, make_moe_weights, moe_block, route, run_device,
@@ -428,7 +428,7 @@ def estimate_seconds(plan: _Plan, n_configs: int, hints: bool, workers: int = 0)
     return total + compile_s, compile_s
 
 
-def run_measure(cfg: MeasureConfig | None = None, out_dir: str | None = "benchmarks/results",
+def run_measure(cfg: MeasureConfig | None = None, out_dir: str | None = DEFAULT_OUT_DIR,
                 log: Callable[[str], None] | None = print) -> dict:
     """Time every block, compare with the model, write the JSON record (+ PNG) to ``out_dir``
     (None: write nothing) and return the record (with ``paths`` of what was written)."""

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import sys
 
+from moekit.commands import SEED_MAX, check_float, check_int
+from moekit.outputs import DEFAULT_OUT_DIR, check_output_dir, check_output_file
+
+MAX_SAMPLE_STEPS = 1000  # `dice sample --steps`: the DiT-MoE release samples with 50 (its diffusion schedule: 1000)
+MAX_SAMPLE_BATCH = 4096  # `dice sample --batch`: images in all
+
+# The schedule presets (moekit.dice.schedules.PRESET_NAMES), named here so that `moekit --help` does not import
+# moekit.dice (and torch).
+PRESET_NAMES = ("sync", "displaced", "displaced+sync", "interweaved", "interweaved+sync", "dice", "dice+sync",
+                "dice-deep", "dice-interleaved", "interweaved+cond", "interweaved+latest")
+
 # The 2 x H200 all-to-all and low-latency records this repository keeps.
 DEFAULT_COMM = ("benchmarks/results/lowlatency-nvidia-h200-x2", "benchmarks/results/dispatch-nvidia-h200-x2")
 
@@ -83,22 +94,35 @@ def _sample_worker(rank: int, world_size: int, spec: dict) -> dict:
 def run_sample(args) -> int:
     import torch
 
+    from moekit.bench.report import cpu_smoke_line
     from moekit.dice import SchedulePlan, StalenessSimulator, preset, sample
-    from moekit.ep import launch
+    from moekit.ep import default_backend, launch
 
-    if args.world_size < 1 or args.batch < 0:
-        raise ValueError("--world-size must be >= 1 and --batch >= 0")
+    # Everything is checked here, before any rank starts: a bad value is one error line, not one per rank.
+    check_int("--steps", args.steps, 1, MAX_SAMPLE_STEPS)
+    check_int("--batch", args.batch, 1, MAX_SAMPLE_BATCH)
+    check_int("--seed", args.seed, 0, SEED_MAX)
+    check_float("--cfg", args.cfg, 1.0, low_closed=True)
+    check_int("--world-size", args.world_size, 1)
+    if args.out:
+        check_output_file(args.out, "--out")
     schedule = preset(args.schedule, args.steps)  # checks the name and the step count
-    sizes = [args.batch // args.world_size + (r < args.batch % args.world_size) for r in range(args.world_size)]
-    spec = dict(model=args.model, checkpoint=args.checkpoint, seed=args.seed, sizes=sizes, steps=args.steps,
-                cfg=args.cfg, schedule=args.schedule, dispatcher=args.dispatcher, executor=args.executor,
-                check=args.check)
+    spec = dict(model=args.model, checkpoint=args.checkpoint, seed=args.seed, steps=args.steps, cfg=args.cfg,
+                schedule=args.schedule, dispatcher=args.dispatcher, executor=args.executor, check=args.check)
     model = _model_from_spec(spec)
     cfg = model.config
+    if cfg.num_experts % args.world_size:  # (this also bounds the ranks started)
+        raise ValueError(f"--world-size must divide the model's {cfg.num_experts} experts, got {args.world_size}")
+    if args.out and cfg.in_channels != 1:
+        raise ValueError("--out draws single-channel (digits) samples only")
+    sizes = [args.batch // args.world_size + (r < args.batch % args.world_size) for r in range(args.world_size)]
+    spec["sizes"] = sizes
     plan = SchedulePlan(schedule, args.steps, cfg.depth)
     print(f"dice sample: {cfg.name} ({cfg.depth} layers, E={cfg.num_experts}, K={cfg.top_k}), "
           f"schedule '{args.schedule}' = {schedule.describe()}, {args.steps} steps, batch {sizes} on "
           f"{args.world_size} rank(s), {args.dispatcher} dispatcher, {args.executor} executor", flush=True)
+    if default_backend(args.world_size) == "gloo":
+        print(cpu_smoke_line("sampling time"), flush=True)
     results = launch(_sample_worker, args.world_size, spec)
     z = torch.cat([r["z"] for r in results])
     staleness = plan.staleness()
@@ -125,8 +149,6 @@ def run_sample(args) -> int:
     if args.out:
         from moekit.dice.quality import write_grid_png
 
-        if cfg.in_channels != 1:
-            raise ValueError("--out draws single-channel (digits) samples only")
         print(f"wrote {write_grid_png(z, args.out, nrow=min(8, max(1, z.shape[0])))}")
     return 0 if ok else 1
 
@@ -135,10 +157,21 @@ def run_sample(args) -> int:
 
 
 def run_quality(args) -> int:
+    from moekit.bench.report import cpu_smoke_line
     from moekit.dice.evaluate import QualityConfig, run_quality as recipe
-    from moekit.dice.schedules import PRESET_NAMES
     from moekit.dice.train import TrainConfig
 
+    for flag, value in (("--hidden", args.hidden), ("--depth", args.depth), ("--heads", args.heads),
+                        ("--experts", args.experts), ("--train-steps", args.train_steps),
+                        ("--train-batch", args.train_batch), ("--log-every", args.log_every),
+                        ("--per-class", args.per_class), ("--sample-steps", args.sample_steps),
+                        ("--classifier-epochs", args.classifier_epochs)):
+        check_int(flag, value, 1)
+    check_int("--seed", args.seed, 0, SEED_MAX)
+    check_float("--lr", args.lr, 0.0)
+    check_float("--time-budget", args.time_budget, 0.0)
+    check_float("--cfg", args.cfg, 1.0, low_closed=True)
+    check_output_dir(args.out_dir, "--out-dir")
     schedules = tuple(s.strip() for s in args.schedules.split(",")) if args.schedules else PRESET_NAMES
     train = TrainConfig(hidden=args.hidden, depth=args.depth, num_heads=args.heads, num_experts=args.experts,
                         steps=args.train_steps, batch=args.train_batch, lr=args.lr, time_budget_s=args.time_budget,
@@ -147,6 +180,8 @@ def run_quality(args) -> int:
                        sample_steps=args.sample_steps, cfg_scale=args.cfg, classifier_epochs=args.classifier_epochs,
                        seed=args.seed, check_simulator=not args.no_check)
     device = args.device or ("cuda" if _cuda() else "cpu")
+    if device == "cpu":
+        print(cpu_smoke_line("FD, accuracy and PSNR (a model trained for seconds) and its timings"), flush=True)
     try:
         record = recipe(qc, device=device, out_dir=args.out_dir, progress=lambda m: print(m, flush=True))
     except RuntimeError as error:  # e.g. scikit-learn missing
@@ -179,6 +214,15 @@ def run_bench(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise ValueError(f"--dtype must be one of bf16, fp16, fp32, got {args.dtype!r}")
+    check_int("--world-size", args.world_size, 1)
+    for config in configs:
+        if config.num_experts % args.world_size:
+            raise ValueError(f"--world-size must divide {config.name}'s {config.num_experts} experts, "
+                             f"got {args.world_size}")
+    check_int("--iters", args.iters, 1)
+    check_int("--warmup", args.warmup, 0)
+    check_int("--steps", args.steps, 1)
+    check_output_dir(args.out_dir, "--out-dir")
     device = torch.device(args.device or ("cuda" if _cuda() else "cpu"))
     parts = []
     for config in configs:
@@ -247,6 +291,9 @@ def run_step(args) -> int:
     spec = resolve_trace_case(spec)
     if not (args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    check_output_dir(args.out_dir, "--out-dir")
+    if args.trace is not None:
+        check_output_dir(args.trace, "--trace")
     print(f"dice step: {', '.join(spec.models)} x local batch {', '.join(map(str, spec.batches))} x "
           f"{', '.join(spec.dispatchers)} x {', '.join(spec.schedules)} on {spec.world_size} rank(s) ({device}, "
           f"{spec.dtype}, {spec.experts} experts); {spec.warmup} warm-up + {spec.steps} timed steps per run, "
@@ -282,8 +329,6 @@ def run_step(args) -> int:
 
 
 def register(sub) -> None:
-    from moekit.dice.schedules import PRESET_NAMES
-
     d = sub.add_parser("dice", help="DICE: staleness-aware asynchronous expert parallelism for DiT-MoE")
     dsub = d.add_subparsers(dest="dice_command", required=True)
 
@@ -291,18 +336,21 @@ def register(sub) -> None:
     s.add_argument("--model", default="digits", help="digits (a tiny model), dit-moe-s, dit-moe-b, dit-moe-xl, dit-moe-g")
     s.add_argument("--checkpoint", default=None, help="a trained model (moekit dice quality writes one)")
     s.add_argument("--schedule", default="dice", help=f"one of {', '.join(PRESET_NAMES)}")
-    s.add_argument("--steps", type=int, default=10, help="Euler denoising steps (default 10; the release uses 50)")
-    s.add_argument("--batch", type=int, default=4, help="images in all (split over the ranks)")
-    s.add_argument("--world-size", type=int, default=2, help="expert-parallel ranks (default 2)")
+    s.add_argument("--steps", type=int, default=10,
+                   help=f"Euler denoising steps, in [1, {MAX_SAMPLE_STEPS}] (default 10; the release uses 50)")
+    s.add_argument("--batch", type=int, default=4,
+                   help=f"images in all (split over the ranks), in [1, {MAX_SAMPLE_BATCH}] (default 4)")
+    s.add_argument("--world-size", type=int, default=2,
+                   help="expert-parallel ranks, dividing the model's experts (default 2)")
     s.add_argument("--dispatcher", choices=("alltoall", "lowlatency"), default="alltoall",
                    help="alltoall (eager) or lowlatency (its gloo transport on CPU)")
     s.add_argument("--executor", choices=("inline", "async"), default="async",
                    help="async: communication on its own thread and stream; inline: in program order")
-    s.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale")
-    s.add_argument("--seed", type=int, default=0, help="seed of the noise and the random weights")
+    s.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale, >= 1 (default 1.5)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the noise and the random weights (default 0)")
     s.add_argument("--check", action="store_true",
                    help="batch-invariant arithmetic, and compare with the staleness simulator bitwise")
-    s.add_argument("--out", default=None, help="PNG of the samples (digits models)")
+    s.add_argument("--out", default=None, help="PNG of the samples (digits models); it must not exist yet")
     s.set_defaults(func=run_sample)
 
     q = dsub.add_parser("quality", help="train the digits DiT-MoE and measure every schedule against sync")
@@ -319,7 +367,7 @@ def register(sub) -> None:
     q.add_argument("--log-every", type=int, default=10, help="print the loss every this many steps")
     q.add_argument("--per-class", type=int, default=4, help="samples per class and schedule")
     q.add_argument("--sample-steps", type=int, default=10, help="Euler steps (the release's default is 50)")
-    q.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale")
+    q.add_argument("--cfg", type=float, default=1.5, help="classifier-free guidance scale, >= 1 (default 1.5)")
     q.add_argument("--classifier-epochs", type=int, default=20, help="epochs of the feature classifier")
     q.add_argument("--schedules", default=None, help=f"comma-separated, from {', '.join(PRESET_NAMES)}")
     q.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -339,7 +387,7 @@ def register(sub) -> None:
                    help="records (or folders) of measured all-to-all / low-latency timings (default: "
                         f"{', '.join(DEFAULT_COMM)}, where present)")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    b.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    b.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON record goes (default %(default)s)")
     b.set_defaults(func=run_bench)
 
     t = dsub.add_parser("step", help="measure ms per denoising step of each schedule on real ranks (2 GPUs: NCCL)")
@@ -366,5 +414,5 @@ def register(sub) -> None:
                    help="also profile one case (first model, batch 8, alltoall, dice and sync) into Chrome traces here")
     t.add_argument("--trace-steps", type=int, default=3, help="steps the profiler records (default 3)")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
-    t.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    t.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON record goes (default %(default)s)")
     t.set_defaults(func=run_step)

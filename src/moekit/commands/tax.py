@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from moekit.commands import check_int
+from moekit.commands import check_float, check_int
+from moekit.outputs import DEFAULT_OUT_DIR
 
 ALL_MODELS_HELP = "all = qwen3-30b-a3b, olmoe-1b-7b, deepseek-v3-tp8, mixtral-8x7b, qwen2-moe"
+# The hardware presets (moekit.tax.hardware.PRESETS), named here so that `moekit --help` imports no library
+# package (moekit.tax loads numpy and torch).
+HARDWARE = ("A100", "H100", "H200", "B200")
+MAX_GPUS = 65536  # `--gpus`: the largest system the model is asked about
 
 
 def _calibrations(spec: str | None) -> list:
@@ -21,8 +26,18 @@ def _positive(flag: str, value) -> None:
 
 
 def run(args) -> int:
-    check_int("--gpus", args.gpus, 1)
+    from moekit.outputs import check_output_dir
+
+    check_int("--gpus", args.gpus, 1, MAX_GPUS)
     _positive("--deadline", args.deadline)
+    # Numbers of the modes not chosen are checked too: a NaN is a mistake whatever the mode.
+    check_float("--beta", args.beta, 0.0, 1.0)
+    check_float("--hbm-bw", args.hbm_bw, 0.0)
+    check_float("--peak-tflops", args.peak_tflops, 0.0)
+    if args.figures is not None:
+        check_output_dir(args.figures, "--figures")
+    if args.measure:
+        check_output_dir(args.out_dir, "--out-dir")
     if args.recompare:  # the model side of saved --measure records, with other hardware numbers or a calibration
         from moekit.bench.tax_report import error_table, format_recompare, recompare
 
@@ -70,6 +85,9 @@ def run_calibrate(args) -> int:
     check_int("--iters", args.iters, 1)
     check_int("--compile-workers", args.compile_workers, 0)
     _positive("--deadline", args.deadline)
+    from moekit.outputs import check_output_dir
+
+    check_output_dir(args.out_dir, "--out-dir")
     cal, path = calibrate(CalibrateConfig(hardware=args.hardware, configs=args.configs, grouped=not args.no_grouped,
                                           iters=args.iters, deadline_s=args.deadline,
                                           compile_workers=args.compile_workers),
@@ -82,7 +100,6 @@ def run_calibrate(args) -> int:
 
 def register(sub) -> None:
     from moekit.shapes import PRESETS
-    from moekit.tax.hardware import PRESETS as HARDWARE
 
     models, devices = ", ".join(sorted(PRESETS)), ", ".join(HARDWARE)
     x = sub.add_parser("tax", help="the MoE tax model: tau per batch size, dominant tax source, figures")
@@ -95,14 +112,17 @@ def register(sub) -> None:
                    help="calibration file(s) from `moekit tax calibrate`: the calibrated model is reported beside "
                         "the 100 %% peaks (the one of the --hardware GPU, else the nearest, moved to it); "
                         "shipped calibrations are used without it")
-    x.add_argument("--gpus", type=int, default=8, help="GPUs the model is spread over, >= 1 (default 8)")
-    x.add_argument("--figures", default=None, help="directory to draw the paper's figures into (PNG)")
+    x.add_argument("--gpus", type=int, default=8,
+                   help=f"GPUs the model is spread over, in [1, {MAX_GPUS}] (default 8)")
+    x.add_argument("--figures", default=None, metavar="DIR",
+                   help="directory to draw the paper's figures into (PNG; made if missing)")
     x.add_argument("--json", action="store_true", help="print the table as JSON")
     x.add_argument("--measure", action="store_true", help="time the MoE, DenseFA and DensePA blocks on this device "
                    "and compare tau with the model (needs Triton; on the CPU it runs tiny shapes in the interpreter)")
     x.add_argument("--batch-sizes", default=None,
                    help="--measure: comma-separated m in [1, 65536] (default 1,2,4,...,4096; CPU 1,4,16)")
-    x.add_argument("--out-dir", default="benchmarks/results", help="--measure: JSON record, PNG, hardware file go here")
+    x.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="--measure: JSON record, PNG, hardware file go here (default %(default)s)")
     x.add_argument("--configs", type=int, default=6, help="--measure: kernel configs tried per m besides the default, "
                    ">= 0 (default 6)")
     x.add_argument("--configs-from", default=None, help="--measure: JSON of measured best kernel configs per m")
@@ -128,8 +148,9 @@ def register(sub) -> None:
     tsub = x.add_subparsers(dest="tax_command", metavar="{calibrate}")
     c = tsub.add_parser("calibrate", help="time a fixed set of GEMMs, copies, router calls and expert-kernel calls "
                         "on this GPU and fit the calibrated model's efficiency curves (a few minutes)")
-    c.add_argument("--out-dir", default="benchmarks/results",
-                   help="where the calibration file (tax-calibration-<device>-1x-<time>.json) goes")
+    c.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="where the calibration file (tax-calibration-<device>-1x-<time>.json) goes (default "
+                        "%(default)s)")
     c.add_argument("--hardware", default=None,
                    help=f"preset whose network numbers the file carries ({devices}; default: this GPU's kind)")
     c.add_argument("--configs", type=int, default=None,

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from moekit.commands import check_int
+from moekit.commands import SEED_MAX, check_int
+
+# `trace generate`: the largest trace, in (step, layer) pairs (10 x the default 1000 x 32). Each pair is
+# 344 tokens x top-2 ids; the generator takes about a minute per 32,000 pairs on a small CPU.
+MAX_GENERATE_PAIRS = 320_000
 
 
 def run_stats(args) -> int:
     from moekit.bench.report import format_table
     from moekit.integrations.trace_report import LAYER_COLUMNS, layer_table
     from moekit.routing import RoutingTrace, format_stats, trace_stats
+    from moekit.routing.stats import MAX_CAPACITY
 
+    check_int("--capacity", args.capacity, 0, MAX_CAPACITY)
     trace = RoutingTrace.load(args.file)
     stats = trace_stats(trace, args.world_size, capacity=args.capacity)
     layers = layer_table(trace, args.world_size)
@@ -26,11 +32,17 @@ def run_stats(args) -> int:
 
 
 def run_generate(args) -> int:
-    from moekit.routing import mixtral_capspill_trace
+    from moekit.outputs import check_output_file
 
     check_int("--steps", args.steps, 1)
     check_int("--layers", args.layers, 1)
-    check_int("--seed", args.seed, 0)
+    if args.steps * args.layers > MAX_GENERATE_PAIRS:
+        raise ValueError(f"--steps x --layers must be at most {MAX_GENERATE_PAIRS:,} (step, layer) pairs, got "
+                         f"{args.steps} x {args.layers}")
+    check_int("--seed", args.seed, 0, SEED_MAX)
+    check_output_file(args.out, "OUT")
+    from moekit.routing import mixtral_capspill_trace
+
     trace = mixtral_capspill_trace(steps=args.steps, layers=args.layers, seed=args.seed)
     trace.save(args.out)
     print(f"wrote {args.out}: {trace.topk_ids.shape[0]} steps x {trace.topk_ids.shape[1]} layers x "
@@ -69,8 +81,17 @@ def run_report(args) -> int:
     from moekit.integrations.trace_report import format_report, trace_report
     from moekit.routing import RoutingTrace
 
-    report = trace_report(RoutingTrace.load(args.file), args.world_size, num_gpus=args.gpus,
-                          slots_per_gpu=args.slots_per_gpu, block_size=args.block_size)
+    check_int("--world-size", args.world_size, 1)
+    check_int("--block-size", args.block_size, 1)
+    trace = RoutingTrace.load(args.file)
+    E = trace.num_experts
+    # The library reads 0 as "not given"; here 0 is refused. Slots: all E experts must fit on the GPUs, and a
+    # GPU holds each expert at most once (more slots would only hold duplicates, and take long to place).
+    check_int("--gpus", args.gpus, 1, E)
+    gpus = args.gpus or args.world_size
+    check_int("--slots-per-gpu", args.slots_per_gpu, -(-E // gpus), E)
+    report = trace_report(trace, args.world_size, num_gpus=args.gpus, slots_per_gpu=args.slots_per_gpu,
+                          block_size=args.block_size)
     if args.json:
         import json
 
@@ -102,9 +123,11 @@ def _register_record_and_report(t) -> None:
                       "padding-aware balancer for a trace (.npz)")
     rp.add_argument("file")
     rp.add_argument("--world-size", type=int, default=8, help="ranks P for per-peer counts (default 8)")
-    rp.add_argument("--gpus", type=int, default=None, help="GPUs for the balancers (default: the world size)")
-    rp.add_argument("--slots-per-gpu", type=int, default=None, help="default: E/GPUs plus a quarter more")
-    rp.add_argument("--block-size", type=int, default=64, help="kernel block rows for padded work (default 64)")
+    rp.add_argument("--gpus", type=int, default=None,
+                    help="GPUs for the balancers, in [1, E], dividing E (default: the world size)")
+    rp.add_argument("--slots-per-gpu", type=int, default=None,
+                    help="expert slots per GPU, in [ceil(E / GPUs), E] (default: E/GPUs plus a quarter more)")
+    rp.add_argument("--block-size", type=int, default=64, help="kernel block rows for padded work, >= 1 (default 64)")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.set_defaults(func=run_report)
 
@@ -116,13 +139,15 @@ def register(sub) -> None:
     ts.add_argument("--world-size", type=int, default=8,
                     help="ranks for per-peer counts, >= 1, dividing the trace's experts and token rows (default 8)")
     ts.add_argument("--capacity", type=int, default=None,
-                    help="report the overflow at this per-peer capacity C, >= 0 (default: none)")
+                    help="report the overflow at this per-peer capacity C, in [0, 2^31 - 1] (default: ceil(Q99) "
+                         "of the counts)")
     ts.add_argument("--json", action="store_true", help="print the statistics as JSON")
     ts.set_defaults(func=run_stats)
     tg = t.add_parser("generate", help="write the synthetic Mixtral-8x7B trace that matches the Cap-and-Spill paper")
-    tg.add_argument("out", help="the file to write (.npz)")
-    tg.add_argument("--steps", type=int, default=1000, help="sequences (forward steps), >= 1 (default 1000)")
+    tg.add_argument("out", help="the file to write (.npz); it must not exist yet")
+    tg.add_argument("--steps", type=int, default=1000,
+                    help=f"sequences (forward steps), >= 1; steps x layers <= {MAX_GENERATE_PAIRS:,} (default 1000)")
     tg.add_argument("--layers", type=int, default=32, help="MoE layers per step, >= 1 (default 32)")
-    tg.add_argument("--seed", type=int, default=0, help="random seed, >= 0 (default 0)")
+    tg.add_argument("--seed", type=int, default=0, help=f"random seed, in [0, {SEED_MAX}] (default 0)")
     tg.set_defaults(func=run_generate)
     _register_record_and_report(t)

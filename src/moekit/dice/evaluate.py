@@ -16,6 +16,7 @@ per step relative to sync, and the buffers held (measured peak and the model's).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,8 +59,8 @@ class QualityConfig:
             raise ValueError(f"unknown schedules {unknown}; known: {', '.join(PRESET_NAMES)}")
         if "sync" not in self.schedules:
             raise ValueError("schedules must include 'sync' (every metric is relative to it)")
-        if self.cfg_scale < 1.0:
-            raise ValueError(f"cfg_scale must be >= 1, got {self.cfg_scale}")
+        if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 1.0):  # NaN passes `< 1`
+            raise ValueError(f"cfg_scale must be >= 1 and finite, got {self.cfg_scale}")
 
 
 def class_noise(num_classes: int, per_class: int, shape: tuple[int, ...], seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,11 +137,24 @@ QUALITY_COLUMNS = ("schedule", "fd_data", "fd_sync", "accuracy", "mse_sync", "ps
 def run_quality(qc: QualityConfig, *, device, out_dir: str | Path, progress=print) -> dict:
     """The whole recipe; writes ``quality.json``, ``quality.md``, the checkpoints and one PNG
     grid per schedule into ``out_dir`` and returns the record."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return _run_quality(qc, device=device, out_dir=out_dir, progress=progress)
+    # On the CPU one intra-op thread: the model's ops are tiny, and threads that wait for each other on a
+    # busy machine made the recipe ten times slower (minutes instead of seconds).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_quality(qc, device=device, out_dir=out_dir, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_quality(qc: QualityConfig, *, device: torch.device, out_dir: str | Path, progress) -> dict:
     from moekit.bench.report import environment, markdown_table
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(device)
     start = time.perf_counter()
     data = load_digits(seed=qc.seed)
     progress(f"digits: {data.train_x.shape[0]} train / {data.test_x.shape[0]} test images on {device}")

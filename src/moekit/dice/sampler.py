@@ -12,6 +12,7 @@ The sampler tells the MoE runner which denoising step it is in (``begin_step`` /
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -45,8 +46,8 @@ def sample(model, noise: torch.Tensor, labels: torch.Tensor, *, steps: int = DEF
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if cfg_scale < 1.0:
-        raise ValueError(f"cfg_scale must be >= 1 (1 = no guidance), got {cfg_scale}")
+    if not (math.isfinite(cfg_scale) and cfg_scale >= 1.0):  # NaN passes `< 1`; both make NaN images
+        raise ValueError(f"cfg_scale must be >= 1 and finite (1 = no guidance), got {cfg_scale}")
     if labels.shape != (noise.shape[0],):
         raise ValueError(f"labels must be [B={noise.shape[0]}], got {tuple(labels.shape)}")
     z = noise

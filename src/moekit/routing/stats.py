@@ -27,6 +27,7 @@ from .trace import RoutingTrace, as_numpy
 _CHUNK_SLOTS = 1 << 23
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.995, 1.0)
+MAX_CAPACITY = 2**31 - 1  # the largest per-peer buffer (rows) considered: an int32 row count
 
 
 # -- counting -------------------------------------------------------------------------
@@ -205,8 +206,9 @@ def trace_stats(
 ) -> TraceStats:
     """Per-peer count distribution, capacity overflow and expert skew of ``trace`` on P ranks.
 
-    ``capacity`` is the per-peer buffer size C used for the overflow figures; when None
-    it is ``ceil(Q0.99)`` of the counts, the operating point the Cap-and-Spill paper uses.
+    ``capacity`` is the per-peer buffer size C used for the overflow figures, an int in
+    [0, ``MAX_CAPACITY``]; when None it is ``ceil(Q0.99)`` of the counts, the operating point the
+    Cap-and-Spill paper uses.
     """
     if not isinstance(trace, RoutingTrace):
         raise ValueError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
@@ -220,7 +222,9 @@ def trace_stats(
     if capacity is None:
         capacity, source = int(math.ceil(np.quantile(flat, 0.99))), "ceil(Q0.99)"
     else:
-        _check_positive_int("capacity", capacity)
+        valid = isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool)
+        if not (valid and 0 <= capacity <= MAX_CAPACITY):
+            raise ValueError(f"capacity must be an int in [0, {MAX_CAPACITY}], got {capacity!r}")
         source = "given"
     loads = expert_counts(trace.topk_ids, trace.num_experts)  # [S, L, E]
     beta = balancedness(loads)
@@ -246,7 +250,8 @@ def trace_stats(
         overflow_slice_fraction=float(over.mean()),
         overflow_send_fraction=float(over.any(axis=-1).mean()),
         overflow_token_fraction=_ratio(np.maximum(flat - capacity, 0).sum(), total),
-        padding_waste_at_capacity=1.0 - float(np.minimum(flat, capacity).mean()) / capacity,
+        # A buffer of C = 0 rows holds nothing, so none of it is padding (and everything overflows).
+        padding_waste_at_capacity=1.0 - float(np.minimum(flat, capacity).mean()) / capacity if capacity else 0.0,
         padding_waste_at_max=1.0 - _ratio(flat.mean(), max_count) if max_count else float("nan"),
         active_experts_mean=float(active_experts(loads).mean()),
         balancedness_mean=_nan_reduce(np.nanmean, beta),
