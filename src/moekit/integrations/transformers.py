@@ -150,7 +150,7 @@ class _Backend:
     def run(self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
         tap = self.tap
-        if tap._forward_hooks or tap._forward_pre_hooks or _GLOBAL_MODULE_HOOKS():
+        if tap._forward_hooks or tap._forward_pre_hooks or _global_module_hooks():
             top_k_index, top_k_weights = tap(top_k_index, top_k_weights)  # a recorder is listening
         ids, weights = top_k_index, top_k_weights
         compute = self.compute_for(experts)
@@ -159,7 +159,7 @@ class _Backend:
         return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 
-def _GLOBAL_MODULE_HOOKS() -> bool:
+def _global_module_hooks() -> bool:
     """Whether global module hooks are registered (they would see the tap's call too)."""
     from torch.nn.modules import module as m
 
