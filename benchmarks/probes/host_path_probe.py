@@ -18,7 +18,6 @@ import cProfile
 import io
 import logging
 import pstats
-import statistics
 import sys
 import time
 
@@ -28,16 +27,11 @@ sys.path.insert(0, "src")
 
 
 def host_us(call, iters=300):
+    from moekit.bench.experts_call import host_us as median_host_us
+
     for _ in range(20):
         call()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    return median_host_us(call, iters)
 
 
 def profile(call, title, iters=300):

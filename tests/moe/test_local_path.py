@@ -73,3 +73,19 @@ def test_torch_and_fused_agree_on_masked_slots():
     want = reference_moe(x, weights.to(torch.float64), ids, w)
     for y in ys:
         assert (y.double() - want).norm() / want.norm() < 1e-5
+
+
+@pytest.mark.parametrize("experts", ["torch", "fused", "fused_fp8"])
+def test_an_fp8_wire_reaches_every_experts_kind(experts):
+    """The local dispatcher's FP8 wire (e4m3 tokens with group scales): the FP8 kernel takes them
+    as they are, the others dequantize them first; all within FP8's error of float64."""
+    from moekit.fp8 import calc_diff
+
+    shape = MoEShape("fp8-wire", num_experts=4, top_k=2, hidden=128, intermediate=128)
+    weights = MoEWeights.random(shape, seed=7)
+    layer = MoELayer(shape, weights, dispatcher=LocalDispatcher(4, fp8=True), experts=experts)
+    x = torch.randn(5, shape.hidden, generator=torch.Generator().manual_seed(8))
+    ids, w = layer.router(x)
+    y = layer(x, ids, w)
+    want = reference_moe(x, weights.to(torch.float64), ids, w)
+    assert calc_diff(y.double(), want) < 5e-3

@@ -96,17 +96,21 @@ class FusedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    def _kernel_inputs(self, a: torch.Tensor, scales: torch.Tensor | None):
+        """(activations, scales) as the kernel takes them: FP8 tokens with their scales into the
+        W8A8 kernel (others in the weights' dtype: its prologue quantizes them); for the 16/32-bit
+        kernel, FP8 tokens dequantized first."""
+        if self.fp8:
+            return (a, scales) if a.dtype == FP8_DTYPE else (a.to(self.out_dtype), None)
+        if scales is not None:
+            a = dequantize_groups(a, scales, self.out_dtype)
+        return a.to(self.out_dtype), None
+
     def token_major(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     scales: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]``: the K slots of every token weighted and summed (see the class docstring)."""
         given = x
-        if self.fp8:
-            if x.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
-                x, scales = x.to(self.out_dtype), None
-        else:
-            if scales is not None:
-                x = dequantize_groups(x, scales, self.out_dtype)
-            x = x.to(self.out_dtype)
+        x, scales = self._kernel_inputs(x, scales)
         config = self.config
         if not torch.compiler.is_compiling():  # compiled, the operator resolves the policy itself
             # The static policy's answer per token count, kept here: one dict lookup per call.
@@ -124,13 +128,7 @@ class FusedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])
         given = tokens
-        if self.fp8:
-            if tokens.dtype != FP8_DTYPE:  # the kernel's prologue quantizes them
-                tokens, scales = tokens.to(self.out_dtype), None
-        else:
-            if scales is not None:
-                tokens = dequantize_groups(tokens, scales, self.out_dtype)
-            tokens, scales = tokens.to(self.out_dtype), None
+        tokens, scales = self._kernel_inputs(tokens, scales)
         config = self.config
         if not torch.compiler.is_compiling():
             config = self._ops.policy.expert_major_config(config, counts, tokens.shape[1], self.w13, self.w2,
