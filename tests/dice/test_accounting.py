@@ -79,6 +79,9 @@ def test_malformed_records_are_named(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="lowlatency-x.json: not a JSON record"):
         accounting.load_comm_curves([bad])
+    bad.write_text("[" * 100000 + "]" * 100000)  # the parser's recursion limit: still a ValueError
+    with pytest.raises(ValueError, match="lowlatency-x.json: not a JSON record"):
+        accounting.load_comm_curves([bad])
     odd = tmp_path / "lowlatency-y.json"
     odd.write_text(json.dumps(dict(kind="lowlatency", params={}, results={"series": {"lowlatency": {"1": {}}},
                                                                           "byte_floor": {"lowlatency": {}}})))

@@ -14,6 +14,11 @@ One launch per world size runs every recoverable scenario on the same objects:
 * the CUDA-graph path (capture stood in for on the CPU): bad ids on one rank are masked and
   flagged on the device, and ``check_replay`` raises the same error on every rank.
 
+A bad ``expert_out`` on one rank in combine (wrong shape, H, dtype, not a tensor) runs in its
+own launch: every rank raises the same ValueError in that combine, none waits for its
+timeout, and the next step pairs up; with the statuses not readable for free (CUDA, stood in
+for on the CPU) the bad rank raises at once and every rank at the next dispatch.
+
 A dead or silent peer ends the group, so those run one launch each: a rank that kills
 itself, or stops calling, gives the others a PeerError within the dispatcher's timeout,
 and ``launch`` raises promptly, naming the dead rank. Every launch runs under a hard
@@ -268,6 +273,9 @@ def _config_cases(world_size: int):
                       ["max_m" if ll else "max_tokens", "-1"]))
         cases.append((f"{kind}: num_experts=8.0 on one rank", kind, {}, {"num_experts": 8.0}, ["num_experts", "8.0"]))
         cases.append((f"{kind}: top_k=0 on one rank", kind, {}, {"top_k": 0}, ["topk" if ll else "top_k"]))
+        if ll:  # the layer's own check of K against E, in the constructor the ranks agree on
+            cases.append((f"{kind}: top_k > num_experts on one rank", kind, {}, {"top_k": E + 1},
+                          [f"topk must be an int in [1, num_experts={E}]"]))
         cases.append((f"{kind}: timeout=-1 on one rank", kind, {}, {"timeout": -1}, ["timeout", "-1"]))
         cases.append((f"{kind}: E not divisible by the world size", kind, {"num_experts": E + 1},
                       {"num_experts": E + 1}, [f"num_experts={E + 1}", f"world_size={world_size}"]))
@@ -320,6 +328,104 @@ def test_every_rank_raises_the_same_error_and_stays_in_step(world_size):
         texts = {r["messages"].get(key) for r in results}
         assert len(texts) == 1, (key, texts)
     assert set(results[0]["messages"]) == set(checks)
+
+
+# -- a bad expert_out on one rank, in combine ---------------------------------------------------
+
+COMBINE_KINDS = ["alltoall", "alltoall-rank", "maxcounts", "capspill", "capspill-cond", "lowlatency",
+                 "lowlatency-bounded-rank"]
+# name: (change(expert_out) on the bad rank, fragment every rank's message must hold)
+BAD_EXPERT_OUT = {
+    "one row too many": (lambda out: out.new_zeros(out.shape[0], out.shape[1] + 1, out.shape[2]), "expert_out must"),
+    "wrong H": (lambda out: out[..., :-1], "expert_out must"),
+    "2-d": (lambda out: out.reshape(-1, out.shape[-1]), "expert_out must"),
+    "float64": (lambda out: out.double(), "expert_out must have dtype"),
+    "a list": (lambda out: out.tolist(), "expert_out must"),
+}
+# With the statuses on a CUDA device (stood in for on the CPU): read at the next dispatch.
+DEFERRED_KINDS = ["alltoall", "alltoall-rank", "maxcounts", "capspill-cond"]
+
+
+def _bad_expert_out_worker(rank, world_size):
+    from moekit.ep import agreement
+
+    messages, failures, checks, waits = {}, [], [], []
+    E = num_experts(world_size)
+    seed = 200
+    for kind in COMBINE_KINDS:
+        d = build(kind, E)
+        for index, (case, (change, fragment)) in enumerate(BAD_EXPERT_OUT.items()):
+            bad_rank = (index + len(kind)) % world_size  # vary which rank is at fault
+            xs, ids, ws = good_step(world_size, seed)
+            dispatched = d.dispatch(xs[rank], ids[rank], ws[rank])
+            out = fake_experts(dispatched.tokens, rank)
+            if rank == bad_rank:
+                out = change(out)
+            key = f"{kind} / {case} on rank {bad_rank}"
+            start = time.monotonic()
+            try:
+                d.combine(out, dispatched)
+            except ValueError as error:  # the bad rank catches it too, and goes on
+                messages[key] = str(error)
+                if f"rank {bad_rank}: " not in str(error) or fragment not in str(error) \
+                        or "this combine" not in str(error):
+                    failures.append(f"{key}: unexpected message {error}")
+            else:
+                failures.append(f"{key}: rank {rank} did not raise")
+            waits.append(time.monotonic() - start)
+            seed += 1
+            failures += check_good_step(d, rank, world_size, seed, f"{key}, next step")
+            checks.append(key)
+            seed += 1
+    real = agreement.host_readable
+    agreement.host_readable = lambda t: False  # as with CUDA tensors: no free host read in combine
+    try:
+        for kind in DEFERRED_KINDS:
+            d = build(kind, E)
+            bad_rank = world_size - 1
+            key = f"deferred {kind} / wrong H on rank {bad_rank}"
+            xs, ids, ws = good_step(world_size, seed)
+            dispatched = d.dispatch(xs[rank], ids[rank], ws[rank])
+            out = fake_experts(dispatched.tokens, rank)
+            try:
+                d.combine(out[..., :-1] if rank == bad_rank else out, dispatched)
+            except ValueError as error:
+                if rank != bad_rank or "expert_out must be" not in str(error):
+                    failures.append(f"{key}: combine raised {error}")
+            else:
+                if rank == bad_rank:
+                    failures.append(f"{key}: the bad rank's combine did not raise")
+            seed += 1
+            xs, ids, ws = good_step(world_size, seed)
+            try:  # every rank learns it here, from the statuses that came with the combine
+                d.dispatch(xs[rank], ids[rank], ws[rank])
+            except ValueError as error:
+                messages[key] = str(error)
+                if f"rank {bad_rank}: expert_out must be" not in str(error) or "previous combine" not in str(error):
+                    failures.append(f"{key}: unexpected message {error}")
+            else:
+                failures.append(f"{key}: the next dispatch of rank {rank} did not raise")
+            seed += 1
+            failures += check_good_step(d, rank, world_size, seed, f"{key}, next step")
+            checks.append(key)
+            seed += 1
+    finally:
+        agreement.host_readable = real
+    return dict(messages=messages, failures=failures, checks=checks, longest_wait=max(waits))
+
+
+def test_a_bad_expert_out_on_one_rank_fails_every_rank_in_the_same_combine():
+    results, _ = run_ranks(_bad_expert_out_worker, 2, deadline=400)
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"rank {rank}: {result['failures'][:6]}"
+    checks = results[0]["checks"]
+    assert len(checks) == len(COMBINE_KINDS) * len(BAD_EXPERT_OUT) + len(DEFERRED_KINDS)
+    assert all(r["checks"] == checks for r in results) and set(results[0]["messages"]) == set(checks)
+    for key in checks:  # the same error text on every rank
+        texts = {r["messages"].get(key) for r in results}
+        assert len(texts) == 1, (key, texts)
+    # Nobody waited for a peer that had given up: every combine ended well within the timeout.
+    assert max(r["longest_wait"] for r in results) < STEP_TIMEOUT / 4, results
 
 
 # -- a dead or silent peer ------------------------------------------------------------------------

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +92,94 @@ def _cpu_env():
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return env
+
+
+def _sleeping_rank(rank, world_size, folder):
+    """Say who this rank is, then sleep far longer than any test."""
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+_LAUNCHER = textwrap.dedent("""
+    import sys
+    from moekit.ep import launch
+    from tests.ep.test_launch import _sleeping_rank
+
+    launch(_sleeping_rank, 2, sys.argv[1], backend="gloo", timeout=600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for a reaper that may never come does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_ranks_end_with_their_launcher(tmp_path, how):
+    """A launcher killed with SIGTERM stops its ranks before it goes (and still dies of
+    SIGTERM); one killed with SIGKILL runs no code at all, and its ranks go by themselves."""
+    root = Path(__file__).resolve().parents[2]
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=root, env=_cpu_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240  # spawning two ranks that import torch on a loaded machine
+        while len(pids) < 2:
+            assert launcher.poll() is None, f"the launcher ended early: {launcher.stderr.read()[-2000:]!r}"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid")) if p.read_text()]
+        launcher.send_signal(how)
+        assert launcher.wait(timeout=60) == -how
+        gone_by = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert [pid for pid in pids if _alive(pid)] == [], f"ranks still running 10 s after {how.name}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in pids:  # this test's own ranks, should they have outlived it
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_parent_watch_ends_a_rank_without_prctl(tmp_path):
+    """The polling thread alone (no PR_SET_PDEATHSIG) ends a rank whose parent is gone."""
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "orphan.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        if sys.argv[1] == "child":
+            import moekit.ep.group as group
+            group.sys.platform = "elsewhere"  # as where prctl is missing: only the watching thread
+            group._die_with_parent(int(sys.argv[3]))
+            open(sys.argv[2], "w").write(str(os.getpid()))
+            time.sleep(600)
+        else:
+            subprocess.Popen([sys.executable, __file__, "child", sys.argv[2], str(os.getpid())])
+            while not os.path.exists(sys.argv[2]) or not open(sys.argv[2]).read():
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)  # the parent goes without a word
+    """))
+    parent = subprocess.run([sys.executable, str(script), "parent", str(pid_file)], env=_cpu_env(), timeout=120)
+    assert parent.returncode == -signal.SIGKILL
+    pid = int(pid_file.read_text())
+    try:
+        gone_by = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert not _alive(pid), "the child outlived its parent by 5 s"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -7,8 +7,11 @@ the same error on both ranks. The low-latency layer's symmetric-memory kernels c
 step status and the masked-id flag to every rank: eagerly, a bad id, too many tokens or a
 wrong dtype on one rank raise the same error on both ranks (the bad rank still takes part
 with an empty step) and the next step is exact; under graph replay a bad id on one rank
-makes ``check_replay`` raise the same error on both, in each combine order. The CPU tests
-(tests/ep/test_fail_together.py) cover the rest on gloo.
+makes ``check_replay`` raise the same error on both, in each combine order. A wrong
+``expert_out`` on one rank in an eager NCCL combine: that rank raises at once, its status
+reaches the other with the rows (no host read in combine), and both raise at the next
+dispatch, whose host read carries it. The CPU tests (tests/ep/test_fail_together.py) cover
+the rest on gloo.
 """
 
 from __future__ import annotations
@@ -65,6 +68,50 @@ def test_eager_status_on_one_gpu(kind):
     dispatched = d.dispatch(x, ids, w)
     y = d.combine(dispatched.tokens.clone(), dispatched)
     assert torch.equal(y.cpu(), _identity_want(x, ids, w))
+
+
+def _bad_expert_out(rank, world_size):
+    """Rank 1 passes an expert_out of the wrong H to an eager combine, then both dispatch twice."""
+    device = current_device()
+    E = 2 * world_size
+    out = {}
+    for name, make in (("alltoall", lambda: AllToAllDispatcher(E, max_tokens=T_MAX, hidden=H)),
+                       ("alltoall-rank", lambda: AllToAllDispatcher(E, max_tokens=T_MAX, hidden=H,
+                                                                    combine_order="rank")),
+                       ("maxcounts", lambda: MaxCountsDispatcher(E, T_MAX * K, T_MAX, top_k=K, hidden=H)),
+                       ("capspill", lambda: CapAndSpillDispatcher(E, 1, T_MAX, top_k=K, hidden=H))):
+        d = make()
+        x, ids, w = _inputs(T_MAX, E, 10 + rank, device)
+        dispatched = d.dispatch(x, ids, w)
+        expert_out = dispatched.tokens.clone()
+        errors = {}
+        try:
+            y = d.combine(expert_out[..., :-1] if rank == 1 else expert_out, dispatched)
+            errors["combine"] = None if rank == 1 else bool(torch.isnan(y).any())  # rank 1's rows came as NaN
+        except ValueError as error:
+            errors["combine"] = str(error)
+        try:
+            d.dispatch(x, ids, w)
+            errors["next"] = None
+        except ValueError as error:
+            errors["next"] = str(error)
+        dispatched = d.dispatch(x, ids, w)
+        y = d.combine(dispatched.tokens.clone(), dispatched).cpu()
+        want = _identity_want(x, ids, w)
+        errors["exact"] = torch.equal(y, want) if d.combine_order == "slot" else torch.allclose(y, want)
+        out[name] = errors
+    return out
+
+
+@needs_two_gpus
+def test_a_bad_expert_out_on_one_gpu_fails_both_ranks_at_the_next_dispatch():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (inherited by the ranks)
+    results = launch(_bad_expert_out, 2, backend="nccl", timeout=300)
+    for name in ("alltoall", "alltoall-rank", "maxcounts", "capspill"):
+        good, bad = results[0][name], results[1][name]
+        assert "expert_out must be" in bad["combine"] and good["combine"] is True, (name, results)
+        assert good["next"] == bad["next"] and "rank 1: expert_out must be" in good["next"], (name, results)
+        assert "previous combine" in good["next"] and good["exact"] and bad["exact"], (name, results)
 
 
 class _Static:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pickle
 
@@ -80,13 +82,116 @@ def test_malformed_file_is_rejected_naming_it(saved, edit, msg):
 def test_not_json_and_pickle_are_rejected(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_bytes(pickle.dumps({"format": mf.FORMAT}))
-    with pytest.raises(ValueError, match="not a JSON model file"):
+    with pytest.raises(ValueError, match="not a UTF-8 text file"):
         mf.load_model(bad)
     bad.write_text("[1, 2")
     with pytest.raises(ValueError, match=str(bad)):
         mf.load_model(bad)
     with pytest.raises(FileNotFoundError):
         mf.load_model(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda d: d["variants"][0].update(n_points=[25]), r"variant 0: n_points must be an int in \[0, "),
+    (lambda d: d["variants"][0].update(n_points=None), "variant 0: n_points must be an int"),
+    (lambda d: d["variants"][0].update(rmse_us={}), "variant 0: rmse_us must be a finite number >= 0"),
+    (lambda d: d["variants"][0].update(rmse_us=10**400), "variant 0: rmse_us must be a finite number >= 0"),
+    (lambda d: d["variants"][0]["coef"].__setitem__(0, 10**400), "variant 0: coef must be 6 finite numbers"),
+    (lambda d: d["variants"][0].update(subwave="yes"), "variant 0: subwave must be true or false"),
+    (lambda d: d["variants"].__setitem__(0, [1, 2]), "variant 0: variant must be an object"),
+    (lambda d: d.update(configs=[1, 2, 3]), "config 0: must be an object of KernelConfig fields, got 1"),
+    (lambda d: d["configs"][0].update(num_warps=4.0), "config 0: num_warps must be an int"),
+    (lambda d: d["configs"][0].update(split_k=True), "config 0: split_k must be an int"),
+    (lambda d: d["configs"][0].update(bn2={}), "config 0: bn2 must be an int"),
+    (lambda d: d["hardware"].update(sms=1e30), r"hardware sms must be an int in \[1, 2147483647\], got 1e\+30"),
+    (lambda d: d["hardware"].update(sms=10**30), "hardware sms must be an int"),
+    (lambda d: d["hardware"].update(sms=True), "hardware sms must be an int"),
+    (lambda d: d["hardware"].update(hbm_gbps="fast"), "hardware hbm_gbps must be a finite number >= 0, got 'fast'"),
+    (lambda d: d["hardware"].update(bf16_tflops=-1), "hardware bf16_tflops must be a finite number >= 0"),
+    (lambda d: d["hardware"].update(key=["h200"]), "hardware key must be a string"),
+    (lambda d: d["hardware"].update(fast=True), "hardware has unknown keys"),
+    (lambda d: d.update(hardware=[]), "hardware must be an object"),
+    (lambda d: d.update(profile="fast"), "profile must be an object, got 'fast'"),
+    (lambda d: d.update(environment=[1]), r"environment must be an object, got \[1\]"),
+    (lambda d: d.update(version=True), "version True, this moekit reads version 1"),
+    (lambda d: d.update(version=1.0), "version 1.0"),
+    (lambda d: d.update(dtype=["bfloat16"]), "dtype must be a string"),
+    (lambda d: d.update(capacity=2**40), "capacity must be an int"),
+    (lambda d: d["shape"].update(routed_experts="all"), "routed_experts must be an int"),
+    (lambda d: d["shape"].update(hidden=2**40), "hidden must be an int"),
+    (lambda d: d["form"].update(nonneg="no"), "bad form: nonneg must be true or false"),
+    (lambda d: d["form"].update(terms=4.0), "bad form: terms must be an int"),
+])
+def test_malformed_fields_are_one_line_errors_naming_the_file_and_field(saved, edit, msg):
+    """Each wrong type or range is a ValueError naming the file and the field (never a
+    TypeError / AttributeError, nor a file that loads and fails later)."""
+    _, path = saved
+    _edit(path, edit)
+    with pytest.raises(ValueError, match=msg) as info:
+        mf.load_model(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def _cli(*argv):
+    from moekit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["variants"][0].update(n_points=[25]), "n_points"),
+    (lambda d: d["variants"][0].update(rmse_us={}), "rmse_us"),
+    (lambda d: d.update(configs=[1, 2, 3]), "config 0"),
+    (lambda d: d["hardware"].update(sms=1e30), "hardware sms"),
+    (lambda d: d.update(profile="fast"), "profile"),
+    (lambda d: d.update(environment=[1]), "environment"),
+    (lambda d: d.update(version=True), "version"),
+    (lambda d: d["hardware"].update(hbm_gbps="fast"), "hardware hbm_gbps"),
+])
+def test_ramp_show_and_models_report_a_malformed_file_in_one_line(saved, monkeypatch, edit, field):
+    """``moekit ramp show FILE``: one ``moekit: error:`` line naming the file and the field;
+    ``moekit ramp models``: the file listed as not loading, the others still listed."""
+    _, path = saved
+    _edit(path, edit)
+    code, out, err = _cli("ramp", "show", str(path))
+    assert code == 2 and out == "", (out, err)
+    assert err.startswith(f"moekit: error: {path}: ") and field in err and err.count("\n") == 1, err
+    monkeypatch.setenv(mf.ENV_DIRS, str(path.parent))
+    code, out, err = _cli("ramp", "models")
+    assert code == 0, err
+    assert f"-- {path.name}  ({path.parent}): does not load: {path}: " in out and field in out
+
+
+def test_deeply_nested_json_is_a_value_error(saved, monkeypatch):
+    _, path = saved
+    path.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ValueError, match="nested too deeply") as info:
+        mf.load_model(path)
+    assert str(info.value).startswith(f"{path}: ")
+    code, _, err = _cli("ramp", "show", str(path))
+    assert code == 2 and err.startswith(f"moekit: error: {path}: ") and "nested too deeply" in err, err
+    monkeypatch.setenv(mf.ENV_DIRS, str(path.parent))
+    code, out, err = _cli("ramp", "models")
+    assert code == 0 and "nested too deeply" in out, err
+
+
+def test_a_file_that_never_ends_is_refused_quickly():
+    """/dev/zero never ends: the reader stops at its size bound instead of filling the memory."""
+    import os
+    import time
+
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero here")
+    start = time.monotonic()
+    code, _, err = _cli("ramp", "show", "/dev/zero")
+    assert code == 2 and err.startswith("moekit: error: /dev/zero: ") and "larger than 64 MiB" in err, err
+    assert err.count("\n") == 1 and time.monotonic() - start < 20
 
 
 def test_nan_coefficients_are_rejected(saved):
@@ -117,7 +222,7 @@ def test_shipped_models_load():
       for n in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "mixtral-8x7b", "deepseek-v3-ep32")),
     *(("h200", n, "bf16") for n in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3-tp8", "mixtral-8x7b"))])
 def test_shipped_token_models_are_found_for_their_presets(gpu, name, dtype, monkeypatch):
-    from moekit.ramp.profile import resolve_shape
+    from moekit.bench.ramp_profile import resolve_shape
 
     monkeypatch.delenv(mf.ENV_DIRS, raising=False)
     shape, _ = resolve_shape(name)

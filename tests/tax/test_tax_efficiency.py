@@ -202,6 +202,14 @@ def _mutate(data: dict, path: str, value) -> dict:
     ("router.coef_s", [-1e-6, 0, 0, 0, 0], ">= 0"),
     ("surprise", 1, "unknown keys"),
     ("sources", [], "sources must be an object"),
+    ("sources.dense", ["fitted"], "sources must map each part to a string"),
+    ("version", True, "version True, this moekit reads version 1"),
+    ("version", 1.0, "version 1.0"),
+    ("sms", 10**30, "sms must be an int >= 1 and <= 2147483647"),
+    ("hbm_bw", 10**400, "hbm_bw must be a number"),  # past a float's range: no OverflowError
+    ("dense.fixed_s", 10**400, "dense: fixed_s must be a number"),
+    ("stream.fixed_s", [1], "a stream cost is"),
+    ("router.coef_s", [10**400] * 5, "a router cost is"),
 ])
 def test_malformed_calibration_is_rejected_naming_the_file(tmp_path, path, value, message):
     good = tmp_path / "good.json"

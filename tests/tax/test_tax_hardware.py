@@ -56,6 +56,15 @@ def test_load_partial_file_on_a_base_preset(tmp_path):
         ('{"base": "H200", "hbm_bandwidth": 1}', "unknown keys"),
         ('{"hbm_bw": 1e12}', "missing keys"),
         ('{"base": "TPU"}', "not a preset"),
+        ('{"base": ["H200"]}', "not a preset"),
+        ('{"base": {"H200": 1}}', "not a preset"),
+        ('{"base": "H200", "hbm_bw": 1' + "0" * 400 + "}", "hbm_bw must be a number"),
+        ('{"base": "H200", "sms": 1' + "0" * 30 + "}", "sms must be None or an int >= 1"),
+        ('{"base": "H200", "sms": 1e30}', "sms must be None or an int >= 1"),
+        ('{"base": "H200", "sms": true}', "sms must be None or an int >= 1"),
+        ('{"base": "H200", "name": ["lab"]}', "'name' must be a non-empty string"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        ('{"base": "H200", "hbm_bw": 1' + "0" * 5000 + "}", "not valid JSON"),
     ],
 )
 def test_malformed_files_raise_value_error_naming_the_file(tmp_path, text, message):
@@ -79,3 +88,45 @@ def test_hardware_validates_numbers_and_overrides_are_marked():
     hw = with_overrides(PRESETS["H100"], hbm_bw=2.9e12)
     assert hw.hbm_bw == 2.9e12 and hw.sources["hbm_bw"] == "override"
     assert "TB/s" in hw.describe()
+
+
+def _cli(*argv):
+    import contextlib
+    import io
+
+    from moekit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("flag", ["--hardware", "--hardware-file", "--recompare"])
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),  # the parser's recursion: no RecursionError
+    ('{"base": ["H200"]}', ""),
+    ('{"base": "H200", "hbm_bw": 1' + "0" * 400 + "}", ""),
+])
+def test_tax_cli_reports_a_malformed_file_in_one_line(tmp_path, flag, text, message):
+    path = tmp_path / "bad_hw.json"
+    path.write_text(text)
+    code, err = _cli("tax", "--model", "mixtral-8x7b", flag, str(path))
+    assert code == 2, err
+    assert err.startswith(f"moekit: error: {path}: ") and message in err and err.count("\n") == 1, err
+
+
+def test_tax_cli_refuses_a_file_that_never_ends():
+    import os
+    import time
+
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero here")
+    start = time.monotonic()
+    for flag in ("--hardware", "--hardware-file"):
+        code, err = _cli("tax", "--model", "mixtral-8x7b", flag, "/dev/zero")
+        assert code == 2 and err.startswith("moekit: error: /dev/zero: ") and "larger than 64 MiB" in err, err
+    assert time.monotonic() - start < 30

@@ -8,7 +8,7 @@ SHAPE_NAMES = ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3-tp8"
 
 
 def run_regions(args) -> int:
-    from moekit.ramp.profile import resolve_shape
+    from moekit.bench.ramp_profile import resolve_shape
     from moekit.ramp.regions import HARDWARE, predict_modes
 
     hw = HARDWARE[args.gpu]
@@ -83,7 +83,7 @@ def _write_report(report: dict, path: str) -> None:
 def run_fit(args) -> int:
     from moekit.ramp.costmodel import ModelForm, fit, regret
     from moekit.ramp.modelfile import model_filename, save_model
-    from moekit.ramp.profile import load_any_timings
+    from moekit.bench.ramp_profile import load_any_timings
     from moekit.ramp.regions import HARDWARE
 
     hw = HARDWARE[args.gpu]
@@ -122,7 +122,7 @@ def run_fit(args) -> int:
 
 
 def run_profile(args) -> int:
-    from moekit.ramp.profile import ProfileSpec, profile
+    from moekit.bench.ramp_profile import ProfileSpec, profile
 
     hidden, inter = args.hidden, args.intermediate
     if args.tiny:

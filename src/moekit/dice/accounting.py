@@ -202,7 +202,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 def _load_json(path: Path) -> dict:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: arrays or objects nested too deeply
         raise ValueError(f"{path}: not a JSON record ({error})") from error
     if not isinstance(record, dict) or "results" not in record or "params" not in record:
         raise ValueError(f"{path}: expected a benchmark record with 'params' and 'results'")

@@ -21,6 +21,14 @@ every rank decides from the same gathered data, which makes the error identical 
   all-gather, and :meth:`StepCheck.settle` reads them (one host read) and raises the same
   ValueError on every rank when any rank's input was bad, naming each bad rank. A rank
   whose input was bad sends an empty but well-formed contribution, so nobody waits.
+* Combine too: a rank whose ``expert_out`` is wrong (:func:`expert_out_problem`) still sends
+  its part of the exchange (NaN rows) with a status (:meth:`StepCheck.problem_status`) in
+  front of it, so nobody waits, and :meth:`StepCheck.settle_combine` raises the same
+  ValueError on every rank. Where the exchange runs in host memory (gloo) reading the
+  statuses costs nothing and every rank raises in that combine. A CUDA tensor would need a
+  device sync, which combine never makes: the statuses stay on the device and are read with
+  the next eager dispatch's own host read, where every rank raises (the bad rank also at
+  once, in its combine; its peers' combine results hold NaN where its rows belonged).
 * Inside a CUDA graph nothing can be read on the host: the dispatchers carry a per-rank
   flag on the device instead, and :func:`raise_for_flagged_ranks` is the host check after
   the replay.
@@ -48,6 +56,7 @@ BAD, TOKENS, HIDDEN, DTYPE, ID_MIN, ID_MAX, MAX_COUNT = range(7)
 NUMERIC_WORDS = 8
 TEXT_WORDS = 48  # 384 bytes of message
 STATUS_WORDS = NUMERIC_WORDS + TEXT_WORDS
+STATUS_BYTES = STATUS_WORDS * 8
 
 # dtype codes in a status (-1: none or another dtype)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -126,6 +135,9 @@ class StepCheck:
                  device: torch.device | None = None):
         self.owner, self.peers, self.num_experts = owner, peers, num_experts
         self.hidden, self.top_k, self.max_tokens, self.dtype, self.device = hidden, top_k, max_tokens, dtype, device
+        # Every rank's combine status of the last combine whose statuses could not be read
+        # for free (CUDA), [world_size, STATUS_WORDS]; the next eager dispatch reads them.
+        self.pending: torch.Tensor | None = None
 
     def inspect(self, x: Any, topk_ids: Any, topk_weights: Any, *, problem: str | None = None) -> LocalStatus:
         """This rank's status for the step. Never raises for bad input, never reads the device.
@@ -141,11 +153,19 @@ class StepCheck:
             words[ID_MIN:ID_MAX + 1] = torch.stack(torch.aminmax(topk_ids)).to(torch.int64)
         return LocalStatus(True, words)
 
-    def settle(self, numeric: list[list[int]], text: Callable[[int], torch.Tensor]) -> list[list[int]]:
+    def problem_status(self, problem: str | None, device: torch.device) -> torch.Tensor:
+        """A status that says only "ok" or what the caller found wrong (combine's checks): no
+        sizes, no ids, so every good rank's is the same. No host read."""
+        words = _numeric(1 if problem else 0, 0, -1, -1) + (_text_words(problem) if problem else [0] * TEXT_WORDS)
+        return _to_device(words, device)
+
+    def settle(self, numeric: list[list[int]], text: Callable[[int], torch.Tensor],
+               step: str = "this step") -> list[list[int]]:
         """Raise the step's error (the same on every rank), or return the numeric words per rank.
 
         ``numeric``: the first ``NUMERIC_WORDS`` words of every rank's status, on the host;
-        ``text(r)``: rank r's ``TEXT_WORDS`` message words (read only when r's input was bad).
+        ``text(r)``: rank r's ``TEXT_WORDS`` message words (read only when r's input was bad);
+        ``step``: what no rank ran, for the message.
         """
         problems = []
         for rank, words in enumerate(numeric):
@@ -156,7 +176,7 @@ class StepCheck:
                 if bad_ids:
                     problems.append((rank, bad_ids))
         if problems:
-            raise ValueError(self._message(problems))
+            raise ValueError(self._message(problems, step))
         shapes = [(w[HIDDEN], w[DTYPE]) for w in numeric]
         if len(set(shapes)) > 1:  # the messages would be sized differently on different ranks
             shown = [f"H={h}, dtype {_dtype_name(code)}" for h, code in shapes]
@@ -164,10 +184,44 @@ class StepCheck:
                              f"{_per_rank(shown)}; no rank ran the step (every rank raises this error)")
         return numeric
 
-    def settle_gathered(self, statuses: torch.Tensor) -> list[list[int]]:
-        """:meth:`settle` for the statuses of all ranks, ``[world_size, STATUS_WORDS]``."""
-        numeric = statuses[:, :NUMERIC_WORDS].tolist()  # the step's one host read
-        return self.settle(numeric, lambda rank: statuses[rank, NUMERIC_WORDS:])
+    def settle_gathered(self, statuses: torch.Tensor, step: str = "this step") -> list[list[int]]:
+        """:meth:`settle` for the statuses of all ranks, ``[world_size, STATUS_WORDS]``; a
+        previous combine's statuses still to be read (:attr:`pending`) are read with them."""
+        host = statuses[:, :NUMERIC_WORDS].reshape(-1)
+        pending = self.pending_flags()
+        if pending is not None:
+            host = torch.cat([host, pending.to(host.device)])
+        host = host.tolist()  # the step's one host read
+        if pending is not None:
+            self.raise_pending(host[-len(pending):])
+        numeric = [host[r * NUMERIC_WORDS:(r + 1) * NUMERIC_WORDS] for r in range(statuses.shape[0])]
+        return self.settle(numeric, lambda rank: statuses[rank, NUMERIC_WORDS:], step)
+
+    def settle_combine(self, statuses: torch.Tensor, problem: str | None) -> None:
+        """Every rank's combine status ``[world_size, STATUS_WORDS]``, as received with the
+        combine's rows, and this rank's own ``problem``: raise the same error on every rank
+        where reading them is free (host memory); else keep them for the next eager dispatch
+        (:attr:`pending`) and raise only on the bad rank, now."""
+        if host_readable(statuses):
+            self.settle_gathered(statuses, "this combine")
+            return
+        self.pending = statuses
+        if problem is not None:
+            raise ValueError(f"{self.owner}: {problem} (this rank's rows went out as NaN; every rank raises at "
+                             "its next dispatch)")
+
+    def pending_flags(self) -> torch.Tensor | None:
+        """``[world_size]`` int64 bad-input flags of the pending combine statuses (None: none)."""
+        return None if self.pending is None else self.pending[:, BAD]
+
+    def raise_pending(self, flags: list[int]) -> None:
+        """With the pending combine's ``flags`` read on the host (the dispatch's one host read):
+        forget them, and raise the same error on every rank if a rank's ``expert_out`` was bad."""
+        pending, self.pending = self.pending, None
+        problems = [(rank, _decode_text(pending[rank, NUMERIC_WORDS:])) for rank, bad in enumerate(flags) if bad]
+        if problems:
+            raise ValueError(self._message(problems, "this step") + " (found in the previous combine, whose "
+                             "results hold NaN where those ranks' rows belonged)")
 
     def _problem(self, x, topk_ids, topk_weights) -> str | None:
         try:
@@ -181,12 +235,47 @@ class StepCheck:
             return f"x is on {x.device}; this dispatcher's process group is NCCL, which needs CUDA tensors"
         return None
 
-    def _message(self, problems: list[tuple[int, str]]) -> str:
+    def _message(self, problems: list[tuple[int, str]], step: str = "this step") -> str:
         if self.peers.world_size == 1:
             return problems[0][1]
         listed = "; ".join(f"rank {rank}: {text}" for rank, text in problems)
         return (f"{self.owner}: bad input on {len(problems)} of {self.peers.world_size} ranks, so no rank ran "
-                f"this step (every rank raises this error): {listed}")
+                f"{step} (every rank raises this error): {listed}")
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` on the host is free: it lives in host memory, where the collective
+    that filled it (gloo) has already waited for the peers. A CUDA tensor needs a device sync."""
+    return t.device.type == "cpu"
+
+
+def expert_out_problem(expert_out: Any, tokens: torch.Tensor, name: str = "[E_local, capacity, H]") -> str | None:
+    """What is wrong with ``expert_out`` for a combine of the dispatch that delivered ``tokens``
+    (its rows go back bit for bit, so it has their shape, dtype and device), or None."""
+    if not isinstance(expert_out, torch.Tensor):
+        return f"expert_out must be a tensor {name} = {list(tokens.shape)}, got {type(expert_out).__name__}"
+    if expert_out.shape != tokens.shape:
+        return f"expert_out must be {name} = {list(tokens.shape)} (the dispatched tokens'), got " \
+               f"{list(expert_out.shape)}"
+    if expert_out.dtype != tokens.dtype:
+        return f"expert_out must have dtype {tokens.dtype} (the dispatched tokens'), got {expert_out.dtype}"
+    if expert_out.device != tokens.device:
+        return f"expert_out is on {expert_out.device}, but the dispatched tokens are on {tokens.device}"
+    return None
+
+
+def status_rows(words: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """A status's ``STATUS_WORDS`` int64 ``words`` as raw bytes in as many rows of
+    ``row_bytes`` bytes as it takes (zero-padded), to travel in front of rows of that width."""
+    rows = -(-STATUS_BYTES // row_bytes)
+    out = torch.zeros(rows * row_bytes, dtype=torch.uint8, device=words.device)
+    out[:STATUS_BYTES] = words.view(torch.uint8)
+    return out.view(rows, row_bytes)
+
+
+def statuses_from_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[P, STATUS_WORDS]`` int64 from every sender's status rows ``[P, rows, row_bytes]``."""
+    return rows.reshape(rows.shape[0], -1)[:, :STATUS_BYTES].clone().view(torch.int64)
 
 
 def raise_for_flagged_ranks(owner: str, flags: list[bool], problem: str, error: type = ValueError) -> None:

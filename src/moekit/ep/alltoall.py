@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moekit.ep.agreement import NUMERIC_WORDS, STATUS_WORDS, StepCheck, agree_on_config
+from moekit.ep.agreement import (NUMERIC_WORDS, STATUS_WORDS, StepCheck, agree_on_config, expert_out_problem,
+                                  status_rows, statuses_from_rows)
 from moekit.ep.checks import check_optional_int
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, check_combine_order, weighted_slot_sum
 from moekit.ep.layout import ExpertPlacement, PlacedExperts, expert_major_positions, plan_send
@@ -49,8 +50,10 @@ class AllToAllDispatcher(PlacedExperts):
     x of another H or dtype than the other ranks') travels to every peer in the counts
     message, which that rank still sends, so *every* rank raises the same ValueError naming
     the rank at fault, before any token moves, and the next step pairs up normally.
-    ``combine``'s shape check is rank-local: a rank passing a wrong ``expert_out`` raises
-    alone, and its peers' combine fails within the timeout.
+    ``combine`` likewise: a rank whose ``expert_out`` is not the dispatched tokens' shape and
+    dtype still sends its rows (NaN) with its status in front of them, and every rank raises
+    the same ValueError (on CPU tensors in that combine; on CUDA tensors at the next dispatch,
+    whose host read carries the statuses, see :mod:`moekit.ep.agreement`).
     """
 
     def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
@@ -106,8 +109,12 @@ class AllToAllDispatcher(PlacedExperts):
         counts = recv_counts.sum(0)
         # The one host read of the eager path: message sizes, capacity and every rank's status.
         capacity = counts.max().view(1) if counts.numel() else counts.new_zeros(1)
+        pending = self.step.pending_flags()  # a previous combine's statuses (CUDA), read with this step's
         host = torch.cat([counts.new_zeros(P) if plan is None else plan.counts.sum(1), recv_counts.sum(1),
-                          groups.view(P), recv_groups, capacity, statuses[:, :NUMERIC_WORDS].reshape(-1)]).tolist()
+                          groups.view(P), recv_groups, capacity, statuses[:, :NUMERIC_WORDS].reshape(-1),
+                          *([] if pending is None else [pending])]).tolist()
+        if pending is not None:
+            self.step.raise_pending(host[-P:])
         send_splits, recv_splits = host[:P], host[P:2 * P]
         return_splits, partial_splits = host[2 * P:3 * P], host[3 * P:4 * P]
         capacity = host[4 * P]
@@ -146,25 +153,33 @@ class AllToAllDispatcher(PlacedExperts):
         return Dispatched(tokens, counts, DispatchHandle(src_rank, src_token, src_slot, state))
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        """[T, H] in ``expert_out``'s dtype. The shape check is rank-local: a rank passing a
-        wrong ``expert_out`` raises alone, and its peers' collective fails within the timeout
-        (combine sends no status: its shapes follow from the dispatch every rank agreed on)."""
+        """[T, H] in the dispatched tokens' dtype. ``expert_out``: their shape and dtype.
+
+        With several ranks every rank's status travels in front of its rows (one status per
+        peer: ``STATUS_WORDS`` int64), so a bad ``expert_out`` on one rank fails every rank
+        together (class docstring)."""
         state = dispatched.handle.state
-        if expert_out.dim() != 3 or expert_out.shape[:2] != dispatched.tokens.shape[:2]:
-            raise ValueError(
-                f"expert_out must be [E_local, capacity, H] = {tuple(dispatched.tokens.shape[:2])} + [H], "
-                f"got {tuple(expert_out.shape)}"
-            )
+        tokens = dispatched.tokens
+        problem = expert_out_problem(expert_out, tokens)
+        status = None
+        if self.world_size == 1:  # no peer waits for this rank
+            if problem is not None:
+                raise ValueError(problem)
+        else:
+            status = self.step.problem_status(problem, tokens.device)
+            if problem is not None:  # still take part, with rows nobody will use
+                expert_out = torch.full_like(tokens, float("nan"))
         back = expert_out[state["expert"], state["pos"]]  # rows in the order they arrived
         if "recv_group" in state:
-            return self._combine_by_rank(back, state)
-        returned = self._all_to_all(back, sum(state["send_splits"]), state["send_splits"], state["recv_splits"])
+            return self._combine_by_rank(back, state, status, problem)
+        returned = self._send_back(back, state["send_splits"], state["recv_splits"], status, problem)
         T, K, H = state["num_tokens"], state["top_k"], expert_out.shape[2]
         slot_out = expert_out.new_zeros(T * K, H)
         slot_out[state["pair"]] = returned
         return weighted_slot_sum(slot_out.view(T, K, H), state["topk_ids"], state["topk_weights"], expert_out.dtype)
 
-    def _combine_by_rank(self, back: torch.Tensor, state: dict) -> torch.Tensor:
+    def _combine_by_rank(self, back: torch.Tensor, state: dict, status: torch.Tensor | None,
+                         problem: str | None) -> torch.Tensor:
         """``combine_order="rank"``: one partial row per (source token, this rank) goes back."""
         K, H, P = state["top_k"], back.shape[1], self.world_size
         groups = sum(state["partial_splits"])
@@ -177,8 +192,7 @@ class AllToAllDispatcher(PlacedExperts):
         present = torch.zeros(groups * K, dtype=torch.bool, device=back.device)
         present[cell] = True
         partials = partial_rows(rows.view(groups, K, H), weights.view(groups, K), present.view(groups, K), back.dtype)
-        returned = self._all_to_all(partials, sum(state["return_splits"]), state["return_splits"],
-                                    state["partial_splits"])
+        returned = self._send_back(partials, state["return_splits"], state["partial_splits"], status, problem)
         # Rank d's partial of token t arrived at (rows before d) + (t's index among d's tokens).
         hit = state["hit"]  # [T, P]
         T, R = hit.shape[0], compact_width(K, P)
@@ -198,6 +212,29 @@ class AllToAllDispatcher(PlacedExperts):
 
     def _all_to_all_equal(self, t: torch.Tensor) -> torch.Tensor:
         return self.peers.all_to_all(torch.empty_like(t), t, what="counts exchange")
+
+    def _send_back(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   status: torch.Tensor | None, problem: str | None) -> torch.Tensor:
+        """Combine's exchange of ``rows`` (``in_splits[d]`` rows to rank d, ``out_splits[s]``
+        from rank s); with a ``status``, it travels in front of each peer's rows (as raw bytes,
+        in rows of their width) and every rank settles the statuses it received."""
+        if status is None:
+            return self._all_to_all(rows, sum(out_splits), out_splits, in_splits)
+        data = rows.contiguous().view(torch.uint8)  # [n, H * itemsize]: rows travel bit for bit
+        head = status_rows(status, data.shape[1])
+        r, P = head.shape[0], self.world_size
+        pieces, start = [], 0
+        for n in in_splits:
+            pieces += [head, data[start:start + n]]
+            start += n
+        received = self._all_to_all(torch.cat(pieces), P * r + sum(out_splits), [r + n for n in out_splits],
+                                    [r + n for n in in_splits])
+        starts = [0]
+        for n in out_splits:
+            starts.append(starts[-1] + r + n)
+        self.step.settle_combine(statuses_from_rows(torch.stack([received[a:a + r] for a in starts[:P]])), problem)
+        back = torch.cat([received[a + r:a + r + n] for a, n in zip(starts, out_splits)])
+        return back.view(rows.dtype)
 
     def _all_to_all(self, t: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         out = t.new_empty((out_rows, *t.shape[1:]))

@@ -35,6 +35,11 @@ or dtype than its peers' — or a MaxCounts overflow raises the same error on ev
 before any token moves, and the next step pairs up normally. Inside a CUDA graph the
 status cannot be read, so bad ids are masked and flagged per rank in the row headers;
 call :meth:`check_replay` after a replay to raise what the eager path would have raised.
+An eager ``combine`` whose ``expert_out`` is wrong on one rank (not the dispatched tokens'
+shape and dtype) fails every rank the same way: that rank still sends its rows (NaN), and
+every rank's status travels in front of its rows in the first pass (on CUDA tensors it is
+read with the next eager dispatch's status, see :mod:`moekit.ep.agreement`). Inside a
+capture ``expert_out`` is checked on the host, once, at capture time.
 
 Result layout. ``Dispatched.tokens`` is ``[E_local, cap, H]`` with the fixed
 ``cap = P * min(pair capacity, T_max * K)`` (:func:`moekit.ep.capacity.expert_capacity`);
@@ -64,7 +69,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.ep.agreement import MAX_COUNT, StepCheck, agree_on_config, raise_for_flagged_ranks
+from moekit.ep.agreement import (MAX_COUNT, StepCheck, agree_on_config, expert_out_problem, raise_for_flagged_ranks,
+                                  status_rows, statuses_from_rows)
 from moekit.ep.capacity import expert_capacity, pair_bound, spill_capacity
 from moekit.ep.checks import check_bool, check_int, check_optional_int, is_int
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, check_combine_order, validate_routing, weighted_slot_sum
@@ -397,14 +403,21 @@ class _FixedBufferDispatcher(PlacedExperts):
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """Send expert outputs back along the dispatch's passes; ``y[T, H]`` via ``weighted_slot_sum``.
 
-        ``expert_out`` is ``[E_local, cap, H]`` like ``dispatched.tokens``; its rows past
-        ``counts`` are never read into the result (they may hold anything, NaN included).
+        ``expert_out`` is ``[E_local, cap, H]`` like ``dispatched.tokens``, in their dtype; its
+        rows past ``counts`` are never read into the result (they may hold anything, NaN included).
         """
         state = dispatched.handle.state
         E_local, cap = self.experts_per_rank, self.expert_capacity
-        if expert_out.dim() != 3 or tuple(expert_out.shape[:2]) != (E_local, cap):
-            raise ValueError(f"expert_out must be [E_local, capacity, H] = [{E_local}, {cap}, H], "
-                             f"got {tuple(expert_out.shape)}")
+        tokens = dispatched.tokens
+        problem = expert_out_problem(expert_out, tokens)
+        status = None
+        if self.world_size == 1 or _capturing(tokens):  # no peer to tell, or nothing can be read
+            if problem is not None:
+                raise ValueError(problem)
+        else:
+            status = self.step.problem_status(problem, tokens.device)
+            if problem is not None:  # still take part, with rows nobody will use
+                expert_out = torch.full_like(tokens, float("nan"))
         plan: FixedPlan = state["plan"]
         P, H = self.world_size, expert_out.shape[2]
         flat = expert_out.reshape(E_local * cap, H)
@@ -416,9 +429,9 @@ class _FixedBufferDispatcher(PlacedExperts):
         slot_out = expert_out.new_zeros(plan.ids.numel(), H)
         # Which slots a pass returned: only the rank order needs it (to place one partial per rank).
         taken = torch.zeros(plan.ids.numel(), dtype=torch.bool, device=flat.device) if by_rank else None
-        first = 0
+        first, statuses = 0, None
         for rows in state["pass_rows"]:
-            if rows:
+            if rows or (status is not None and statuses is None):
                 if by_rank:
                     index = source * self.max_tokens + token_of_row[:, first:first + rows]
                     back = partials.index_select(0, index.reshape(-1))
@@ -427,15 +440,32 @@ class _FixedBufferDispatcher(PlacedExperts):
                     # instead, its owner never reads it.
                     dest = state["dest"][:, first:first + rows].clamp(max=E_local * cap - 1)
                     back = flat.index_select(0, dest.reshape(-1))
-                returned = self.exchange(back.view(P, rows, H))
-                slot_out, taken = self._take_returned(slot_out, taken, returned, plan, first)
+                if status is not None and statuses is None:  # the first pass carries every rank's status
+                    returned, statuses = self._exchange_with_status(back.view(P, rows, H), status)
+                else:
+                    returned = self.exchange(back.view(P, rows, H))
+                if rows:
+                    slot_out, taken = self._take_returned(slot_out, taken, returned, plan, first)
             first += rows
+        if statuses is not None:  # after every pass: the peers run them all before they decide
+            self.step.settle_combine(statuses, problem)
         T, K = plan.ids.shape
         if by_rank:
             y = self._sum_returned_partials(slot_out, taken, plan, expert_out.dtype)
         else:
             y = weighted_slot_sum(slot_out.view(T, K, H), plan.ids, plan.weights, expert_out.dtype)
         return y[:plan.num_tokens]
+
+    def _exchange_with_status(self, buf: torch.Tensor, status: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`exchange` of ``buf [P, rows, H]`` with ``status`` in front of every peer's
+        rows (raw bytes, in rows of their width); returns (the received rows, every sender's
+        status ``[P, STATUS_WORDS]``)."""
+        P, rows = buf.shape[:2]
+        data = buf.contiguous().view(torch.uint8)  # [P, rows, H * itemsize]: rows travel bit for bit
+        head = status_rows(status, data.shape[2])
+        r = head.shape[0]
+        received = self.exchange(torch.cat([head.expand(P, r, head.shape[1]), data], 1))
+        return received[:, r:].view(buf.dtype), statuses_from_rows(received[:, :r])
 
     def _partials(self, expert_out: torch.Tensor, state: dict) -> torch.Tensor:
         """``[P * T_max, H]``: row ``s * T_max + t`` is the rank-order partial of source s's

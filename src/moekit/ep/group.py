@@ -22,10 +22,17 @@ fail on their own (a collective with a dead peer fails: gloo at once when the pe
 sockets close, NCCL within the process group's timeout, which is ``timeout`` too); the ones
 still running then are stopped, and :class:`RankFailedError` reports what happened on every
 rank, the first failure first.
+
+Ranks never outlive their launcher. Each rank asks the kernel to kill it when the launching
+process goes (``PR_SET_PDEATHSIG`` on Linux), and a thread of it watches ``os.getppid()``,
+so a launcher killed outright (SIGKILL) takes its ranks with it; and while ``launch`` waits
+in the main thread with SIGTERM at its default action, a SIGTERM first stops the ranks, then
+ends the launcher as SIGTERM would have.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing.connection
 import os
@@ -33,6 +40,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -47,6 +55,8 @@ from moekit.ep.peers import PeerError
 LOCALHOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 5.0  # how long a rank that was asked to stop (SIGTERM) has before SIGKILL
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal this process gets when its parent dies
+_PARENT_POLL_S = 0.5  # how often a rank looks for a new parent (the fallback of PR_SET_PDEATHSIG)
 
 
 class RankFailedError(mp.ProcessRaisedException):
@@ -108,20 +118,65 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     ctx = mp.get_context("spawn")
     store, port = _rendezvous_store(world_size, timeout)
     ranks = []
+    sigterm = _SigtermGuard()
     try:
+        sigterm.install()
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)  # one pipe per rank: a dying rank corrupts nothing shared
             process = ctx.Process(target=_worker, name=f"moekit-rank-{rank}",
-                                  args=(rank, world_size, port, backend, timeout, fn, args, sender))
+                                  args=(rank, world_size, port, backend, timeout, fn, args, sender, os.getpid()))
             process.start()
             sender.close()  # the parent keeps only the reading end, so a dead rank reads as EOF
             ranks.append(_Rank(rank, process, receiver))
         return _supervise(ranks, timeout)
+    except _Terminated:
+        pass  # the ranks are stopped below; then SIGTERM does what it would have done
     finally:
+        sigterm.stopping = True  # a SIGTERM from here on waits until the ranks are stopped
         for r in ranks:  # nothing outlives launch, whatever interrupted it
             _stop(r.process)
             r.receiver.close()
         del store  # now, not whenever an exception's frame is collected: it closes its socket
+        sigterm.restore()
+    raise SystemExit(128 + signal.SIGTERM)  # only if the SIGTERM could not be delivered at once
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while :func:`launch` waited: unwinds it so that it stops its ranks."""
+
+
+class _SigtermGuard:
+    """While ``launch`` runs, SIGTERM stops the ranks before it ends the process.
+
+    Installed only over SIGTERM's default action and in the main thread (Python runs
+    signal handlers there only); a handler the caller installed, or SIG_IGN, is theirs. The
+    first SIGTERM raises :class:`_Terminated` where ``launch`` waits; one that arrives once
+    the ranks are being stopped is held; :meth:`restore` then puts the default action back
+    and delivers it.
+    """
+
+    def __init__(self) -> None:
+        self.previous = None
+        self.stopping = False
+        self.received = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        if not self.stopping:
+            self.stopping = True
+            raise _Terminated()
+
+    def restore(self) -> None:
+        if self.previous is None:
+            return
+        signal.signal(signal.SIGTERM, self.previous)
+        if self.received:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _rendezvous_store(world_size: int, timeout: float):
@@ -280,7 +335,8 @@ def _stop(process) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
-            fn: Callable[..., Any], args: tuple, sender) -> None:
+            fn: Callable[..., Any], args: tuple, sender, parent: int) -> None:
+    _die_with_parent(parent)
     try:
         result = _run_rank(rank, world_size, port, backend, timeout, fn, args)
         # Plain pickle copies tensors by value; torch's pickler would share memory that
@@ -307,6 +363,31 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this rank as soon as ``parent`` (the launching process) is gone, however it went:
+    a rank left behind would hold its GPU, its sockets and its share of the cores forever.
+
+    Linux: the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``; the spawning
+    thread is ``launch``'s, which waits for the ranks). Everywhere, also a daemon thread that
+    polls ``os.getppid()``, which changes when the parent goes: the fallback where prctl is
+    missing or not honoured (some sandboxes), at the cost of one wake-up per half second.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it went before the kernel was told to watch it
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), name="moekit-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
 
 
 def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout: float,

@@ -14,15 +14,17 @@ shipped in ``moekit/ramp/models/``. A file's name says what it is for
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from moekit.jsonfile import read_json
 from moekit.kernels.configs import KernelConfig, config_space, fp8_config_error
 from moekit.ramp.costmodel import N_COEF, CostModel, ModelForm, Variant
 from moekit.ramp.dataset import config_from_record
@@ -84,15 +86,89 @@ def save_model(model: CostModel, path: str | Path, **meta) -> Path:
     return path
 
 
-def _need(d: dict, key: str, kind, where: str):
+# Every count a model file holds (dimensions, SMs, bytes of L2 and shared memory, capacity)
+# is at most this: what the kernels' int32 index arithmetic takes, far above any real GPU.
+INT_MAX = 2**31 - 1
+_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}
+_CONFIG_TYPES = {f.name: {"int": int, "str": str, "bool": bool}.get(getattr(f.type, "__name__", f.type))
+                 for f in fields(KernelConfig)}
+
+
+def _finite_number(v) -> bool:
+    """An int or float (not a bool) that is a finite float: JSON has no bound on an integer's
+    digits, and one past a float's range cannot be used."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _show(value) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _need(d: dict, key: str, kind, where: str, low: int = 1, high: int = INT_MAX):
+    """``d[key]``, which must be there and be a ``kind`` (an int: in [low, high]; a bool is
+    not an int here, nor is 8.0)."""
     if not isinstance(d, dict) or key not in d:
         raise ValueError(f"{where}: missing {key!r}")
-    v = d[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise ValueError(f"{where}: {key!r} must be an int, got {v!r}")
-    if kind is not int and not isinstance(v, kind):
-        raise ValueError(f"{where}: {key!r} must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+    return _check(d[key], key, kind, where, low, high)
+
+
+def _check(v, key: str, kind, where: str, low: int = 1, high: int = INT_MAX):
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise ValueError(f"{where}: {key} must be an int in [{low}, {high}], got {_show(v)}")
+    elif kind is float:  # a finite number >= 0
+        if not _finite_number(v) or v < 0:
+            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {_show(v)}")
+    elif not isinstance(v, kind):
+        raise ValueError(f"{where}: {key} must be {_KIND_NAMES.get(kind, kind)}, got {_show(v)}")
     return v
+
+
+def _hardware(d, where: str) -> Hardware:
+    known = Hardware.__dataclass_fields__
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: hardware has unknown keys {unknown}; allowed: {', '.join(known)}")
+    for name, value in d.items():
+        kind = str if name == "key" else float if name in ("hbm_gbps", "bf16_tflops") else int
+        _check(value, f"hardware {name}", kind, where)
+    if not d.get("key"):
+        raise ValueError(f"{where}: hardware needs a non-empty 'key' (the GPU's name in file names)")
+    try:
+        return Hardware(**d)
+    except TypeError as error:  # a required field is missing
+        raise ValueError(f"{where}: bad hardware: {error}") from None
+
+
+def _form(d, where: str) -> ModelForm:
+    if isinstance(d, dict):
+        for name, kind in (("terms", int), ("phi", str), ("wave", str), ("weighting", str), ("nonneg", bool),
+                           ("traffic", bool)):
+            if name in d:
+                _check(d[name], name, kind, f"{where}: bad form", 2, 4)
+    try:
+        return ModelForm.from_dict(d)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: bad form: {error}") from None
+
+
+def _config(rec, where: str) -> KernelConfig:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: must be an object of KernelConfig fields, got {_show(rec)}")
+    for name, value in rec.items():
+        kind = _CONFIG_TYPES.get(name)
+        if kind is not None:
+            _check(value, name, kind, where, 0)
+    try:
+        return config_from_record(rec)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def model_from_dict(d: dict, where: str = "model") -> tuple[CostModel, dict]:
@@ -100,46 +176,31 @@ def model_from_dict(d: dict, where: str = "model") -> tuple[CostModel, dict]:
     file; every field is checked, so a damaged file fails here and not at selection time."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{where}: not a {FORMAT} file")
-    if d.get("version") != VERSION:
-        raise ValueError(f"{where}: version {d.get('version')!r}, this moekit reads version {VERSION}")
+    version = d.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
+        raise ValueError(f"{where}: version {_show(version)}, this moekit reads version {VERSION}")
     s = _need(d, "shape", dict, where)
     try:
-        shape = MoEShape(str(_need(s, "name", str, where)), _need(s, "num_experts", int, where),
+        shape = MoEShape(_need(s, "name", str, where), _need(s, "num_experts", int, where),
                          _need(s, "top_k", int, where), _need(s, "hidden", int, where),
                          _need(s, "intermediate", int, where))
     except ValueError as error:
         raise ValueError(f"{where}: bad shape: {error}") from None
-    routed = s.get("routed_experts", shape.num_experts)
-    dtype = dtype_name(_need(d, "dtype", str, where)) if d.get("dtype") in DTYPES else None
-    if dtype is None:
-        raise ValueError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {d.get('dtype')!r}")
+    routed = _check(s.get("routed_experts", shape.num_experts), "routed_experts", int, where)
+    dtype = _need(d, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise ValueError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     family = _need(d, "family", str, where)
     if family not in FAMILIES:
         raise ValueError(f"{where}: family must be one of {FAMILIES}, got {family!r}")
     capacity = d.get("capacity")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-        raise ValueError(f"{where}: capacity must be null or an int >= 1, got {capacity!r}")
-    hw_d = _need(d, "hardware", dict, where)
-    try:
-        hw = Hardware(**hw_d)
-    except TypeError as error:
-        raise ValueError(f"{where}: bad hardware: {error}") from None
+    if capacity is not None:
+        _check(capacity, "capacity", int, where)
+    hw = _hardware(_need(d, "hardware", dict, where), where)
     if hw.key != d.get("gpu"):
-        raise ValueError(f"{where}: gpu {d.get('gpu')!r} does not match its hardware {hw.key!r}")
-    for name in ("sms", "l2_bytes", "smem_per_sm", "smem_per_block", "regs_per_sm", "max_threads_per_sm",
-                 "max_ctas_per_sm"):
-        if not isinstance(getattr(hw, name), int) or getattr(hw, name) < 1:
-            raise ValueError(f"{where}: hardware {name} must be an int >= 1")
-    try:
-        form = ModelForm.from_dict(_need(d, "form", dict, where))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}: bad form: {error}") from None
-    configs = []
-    for k, rec in enumerate(_need(d, "configs", list, where)):
-        try:
-            configs.append(config_from_record(rec))
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{where}: config {k}: {error}") from None
+        raise ValueError(f"{where}: gpu {_show(d.get('gpu'))} does not match its hardware {hw.key!r}")
+    form = _form(_need(d, "form", dict, where), where)
+    configs = [_config(rec, f"{where}: config {k}") for k, rec in enumerate(_need(d, "configs", list, where))]
     if not configs:
         raise ValueError(f"{where}: no configs")
     fp8 = dtype == "float8_e4m3fn"
@@ -149,25 +210,28 @@ def model_from_dict(d: dict, where: str = "model") -> tuple[CostModel, dict]:
     variants = {}
     for k, v in enumerate(_need(d, "variants", list, where)):
         w = f"{where}: variant {k}"
-        i = _need(v, "config", int, w)
+        _check(v, "variant", dict, w)
+        i = _need(v, "config", int, w, 0)
         path = _need(v, "path", str, w)
         coef = _need(v, "coef", list, w)
         if not 0 <= i < len(configs):
             raise ValueError(f"{w}: config index {i} outside [0, {len(configs)})")
         if path not in PATHS[family]:
             raise ValueError(f"{w}: path must be one of {PATHS[family]}, got {path!r}")
-        if len(coef) != N_COEF or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                          and math.isfinite(x) for x in coef):
+        if len(coef) != N_COEF or not all(_finite_number(x) for x in coef):
             raise ValueError(f"{w}: coef must be {N_COEF} finite numbers")
         if (i, path) in variants:
             raise ValueError(f"{w}: duplicate variant ({i}, {path})")
-        variants[(i, path)] = Variant(i, path, np.asarray(coef, dtype=np.float64), bool(v.get("subwave", False)),
-                                      int(v.get("n_points", 0)), float(v.get("rmse_us", 0.0)))
+        subwave = _check(v.get("subwave", False), "subwave", bool, w)
+        n_points = _check(v.get("n_points", 0), "n_points", int, w, 0)
+        rmse = _check(v.get("rmse_us", 0.0), "rmse_us", float, w)
+        variants[(i, path)] = Variant(i, path, np.asarray(coef, dtype=np.float64), subwave, n_points, float(rmse))
     if not variants:
         raise ValueError(f"{where}: no fitted variants")
     model = CostModel(shape, hw, configs, form, variants, 1 if fp8 else 2, family, capacity)
-    meta = {"dtype": dtype, "routed_experts": routed, "profile": d.get("profile", {}),
-            "environment": d.get("environment", {})}
+    meta = {"dtype": dtype, "routed_experts": routed,
+            "profile": _check(d.get("profile", {}), "profile", dict, where),
+            "environment": _check(d.get("environment", {}), "environment", dict, where)}
     return model, meta
 
 
@@ -180,13 +244,9 @@ def load_model(path: str | Path, *, shape: MoEShape | None = None, gpu: str | No
     must belong to today's ``config_space`` for the shape (a model of another kernel version
     would otherwise choose a config this kernel does not offer)."""
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not a JSON model file ({error})") from None
-    model, meta = model_from_dict(d, str(path))
+    if not path.exists():  # a missing file stays FileNotFoundError; every other problem is a ValueError
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    model, meta = model_from_dict(read_json(path, "a RaMP model file"), str(path))
     if shape is not None and _dims(shape, match_top_k) != _dims(model.shape, match_top_k):
         raise ValueError(f"{path}: made for {shape_key(model.shape)}, not {shape_key(shape)}")
     if gpu is not None and gpu != model.hardware.key:

@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..jsonfile import read_json
-from .gpus import DATASHEET, gpu_key
+from .gpus import DATASHEET, MAX_SMS, gpu_key
 
 FORMAT = "moekit-tax-calibration"
 VERSION = 1
@@ -85,7 +85,7 @@ class Curve:
     @classmethod
     def from_dict(cls, d, where: str) -> "Curve":
         if not isinstance(d, dict) or set(d) != {"log2_knots", "values"}:
-            raise ValueError(f"{where}: a curve is {{'log2_knots': [...], 'values': [...]}}, got {d!r}")
+            raise ValueError(f"{where}: a curve is {{'log2_knots': [...], 'values': [...]}}, got {d!r:.60}")
         knots, values = d["log2_knots"], d["values"]
         if not _numbers(knots) or not _numbers(values):
             raise ValueError(f"{where}: log2_knots and values must be lists of numbers")
@@ -157,7 +157,7 @@ class LaunchCost:
                              f"{sorted(d) if isinstance(d, dict) else type(d).__name__}")
         for k in ("fixed_s", "gamma", "p", "sorted_fixed_s"):
             if not _number(d[k]):
-                raise ValueError(f"{where}: {k} must be a number, got {d[k]!r}")
+                raise ValueError(f"{where}: {k} must be a number, got {d[k]!r:.60}")
         try:
             return cls(float(d["fixed_s"]), Curve.from_dict(d["mem"], f"{where}.mem"),
                        Curve.from_dict(d["cmp"], f"{where}.cmp"), float(d["gamma"]), float(d["p"]),
@@ -187,7 +187,7 @@ class StreamCost:
     @classmethod
     def from_dict(cls, d, where: str) -> "StreamCost":
         if not isinstance(d, dict) or set(d) != {"fixed_s", "mem"} or not _number(d["fixed_s"]):
-            raise ValueError(f"{where}: a stream cost is {{'fixed_s': number, 'mem': curve}}, got {d!r}")
+            raise ValueError(f"{where}: a stream cost is {{'fixed_s': number, 'mem': curve}}, got {d!r:.60}")
         try:
             return cls(float(d["fixed_s"]), Curve.from_dict(d["mem"], f"{where}.mem"))
         except ValueError as exc:
@@ -265,8 +265,8 @@ class Calibration:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not isinstance(self.gpu, str) or not self.gpu:
             raise ValueError("Calibration.name and .gpu must be non-empty strings")
-        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1:
-            raise ValueError(f"Calibration.sms must be an int >= 1, got {self.sms!r}")
+        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or not 1 <= self.sms <= MAX_SMS:
+            raise ValueError(f"Calibration.sms must be an int >= 1 and <= {MAX_SMS}, got {self.sms!r:.60}")
         for k in ("hbm_bw", "peak_flops", "net_bw"):
             v = getattr(self, k)
             if not _finite(v) or v <= 0:
@@ -289,8 +289,9 @@ def calibration_from_dict(d, where: str = "calibration") -> Calibration:
     """A :class:`Calibration` from its parsed JSON; every field is checked (ValueError naming ``where``)."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{where}: not a {FORMAT} file")
-    if d.get("version") != VERSION:
-        raise ValueError(f"{where}: version {d.get('version')!r}, this moekit reads version {VERSION}")
+    version = d.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
+        raise ValueError(f"{where}: version {version!r:.60}, this moekit reads version {VERSION}")
     allowed = {"format", "version", "name", "gpu", "sms", "hbm_bw", "peak_flops", "net_bw", "net_latency", "dense",
                "stream", "grouped", "router", "sources", "meta"}
     unknown = set(d) - allowed
@@ -302,10 +303,14 @@ def calibration_from_dict(d, where: str = "calibration") -> Calibration:
         raise ValueError(f"{where}: missing keys {missing}")
     for k in ("hbm_bw", "peak_flops", "net_bw", "net_latency"):
         if not _number(d[k]):
-            raise ValueError(f"{where}: {k} must be a number, got {d[k]!r}")
+            raise ValueError(f"{where}: {k} must be a number, got {d[k]!r:.60}")
     for k in ("sources", "meta"):
         if not isinstance(d.get(k, {}), dict):
             raise ValueError(f"{where}: {k} must be an object")
+    wrong = [k for k, v in d.get("sources", {}).items() if not isinstance(v, str)]
+    if wrong:  # the report prints them as they are
+        raise ValueError(f"{where}: sources must map each part to a string, got {d['sources'][wrong[0]]!r:.60} "
+                         f"for {wrong[0]!r}")
     try:
         return Calibration(
             name=d["name"], gpu=d["gpu"], sms=d["sms"], hbm_bw=float(d["hbm_bw"]), peak_flops=float(d["peak_flops"]),
@@ -635,7 +640,15 @@ def _finite(v) -> bool:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    # bool is an int in Python; an int past the range of a float (JSON has no bound on
+    # digits) would overflow where it is used.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def _numbers(v) -> bool:

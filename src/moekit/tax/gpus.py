@@ -8,6 +8,8 @@ applied to the target's datasheet.
 
 from __future__ import annotations
 
+MAX_SMS = 2**31 - 1  # far above any GPU: an SM count past it comes from a damaged file, not a GPU
+
 DATASHEET = {
     "a100": {"hbm_bw": 2.039e12, "peak_flops": 312e12},  # A100 SXM 80 GB
     "h100": {"hbm_bw": 3.35e12, "peak_flops": 989e12},  # H100 SXM

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from moekit.jsonfile import read_json
 
-from .gpus import DATASHEET, gpu_key  # noqa: F401  (re-exported)
+from .gpus import DATASHEET, MAX_SMS, gpu_key  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,9 @@ class Hardware:
     sms: int | None = None  # streaming multiprocessors (wave quantization of the calibrated model); None: unknown
 
     def __post_init__(self) -> None:
-        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1):
-            raise ValueError(f"Hardware.sms must be None or an int >= 1, got {self.sms!r}")
+        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
+                                     or not 1 <= self.sms <= MAX_SMS):
+            raise ValueError(f"Hardware.sms must be None or an int >= 1 and <= {MAX_SMS}, got {self.sms!r}")
         for name in ("hbm_bw", "peak_flops", "net_bw"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
@@ -60,8 +61,21 @@ class Hardware:
 
 
 def _is_number(value) -> bool:
-    # bool is an int in Python; a JSON `true` must not pass as a bandwidth.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # bool is an int in Python; a JSON `true` must not pass as a bandwidth. An int past the
+    # range of a float (JSON has no bound on digits) is not a number the model can use.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _show(value) -> str:
+    """``repr(value)``, shortened: a message about a file stays one readable line."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 # Per-message latency: no per-message figure has been measured (NCCL's time per all_to_all
@@ -129,12 +143,13 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
 
     unknown = set(data) - {"name", "base", "sms", *_NUMERIC_KEYS}
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, sms, {', '.join(_NUMERIC_KEYS)}")
+        raise ValueError(f"{path}: unknown keys {_show(sorted(unknown))}; allowed: name, base, sms, "
+                         f"{', '.join(_NUMERIC_KEYS)}")
 
     base_name = data.get("base")
     if base_name is not None:
-        if base_name not in PRESETS:
-            raise ValueError(f"{path}: base {base_name!r} is not a preset ({', '.join(PRESETS)})")
+        if not isinstance(base_name, str) or base_name not in PRESETS:
+            raise ValueError(f"{path}: base {_show(base_name)} is not a preset ({', '.join(PRESETS)})")
         values = {f.name: getattr(PRESETS[base_name], f.name) for f in fields(Hardware)}
         values["sources"] = dict(PRESETS[base_name].sources)
     else:
@@ -151,7 +166,7 @@ def load_hardware(path: str | os.PathLike) -> Hardware:
         if key in data:
             value = data[key]
             if not _is_number(value):
-                raise ValueError(f"{path}: {key} must be a number, got {value!r}")
+                raise ValueError(f"{path}: {key} must be a number, got {_show(value)}")
             values[key] = float(value)
             values["sources"][key] = f"measured, {os.path.basename(path)}"
     if "sms" in data:

@@ -109,6 +109,14 @@ def test_bad_arguments_raise_value_error():
         _layer(profile="yes")
 
 
+def test_topk_above_num_experts_is_refused_at_construction():
+    """A router picks K distinct experts of E: K > E is a ValueError naming topk and its range."""
+    for topk in (E + 1, 32):
+        with pytest.raises(ValueError, match=rf"topk must be an int in \[1, num_experts={E}\], got {topk}"):
+            EPLowLatencyAllToAll(M, H, topk, E, fp8_group_size=G, online_fp8=False)
+    assert _layer().layout.topk == K and EPLowLatencyAllToAll(M, H, E, E, fp8_group_size=G).layout.topk == E
+
+
 def test_out_of_range_ids_inside_a_capture_are_masked_and_flagged(monkeypatch):
     """Inside a CUDA-graph capture the id range cannot be read on the host (stand-in on CPU)."""
     layer = _layer()

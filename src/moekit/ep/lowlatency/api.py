@@ -20,6 +20,13 @@ sizes, dtype, FP8 settings and device type. In ``dispatch``, what happens to a b
   kernel), and every rank raises the same ValueError, naming the bad rank, after that one
   exchange; the next step pairs up normally.
 
+``combine`` on a transport that carries statuses there too (``combine_exchanges_status``:
+the gloo one) fails together the same way: a rank with bad arguments (``expert_out`` of
+another shape, dtype or device, routing that does not match the dispatch, ...) sends a
+poisoned message with its error in front, and every rank raises the same ValueError after
+the exchange. On the GPU transport the combine kernel carries no status: a bad rank raises
+alone, before launching it.
+
 Inside a CUDA-graph capture nothing can be read on the host: out-of-range ids are treated
 as masked, ``state["invalid_ids"]`` says whether any rank had one and
 ``state["invalid_by_rank"]`` which (the symmetric-memory kernels send each rank's flag with
@@ -150,6 +157,8 @@ class EPLowLatencyAllToAll:
                 local_world_size=world if local_world_size is None else local_world_size,
                 group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8, combine_order=combine_order,
                 recv_capacity=recv_capacity, spill_rows=spill_rows)
+            if self.layout.topk > self.layout.num_experts:  # a router picks K distinct experts of E
+                raise ValueError(f"topk must be an int in [1, num_experts={num_experts}], got {topk!r}")
             self.device = _resolve_device(device, group, self.peers.distributed)
 
         agree_on_config(self.peers, "EPLowLatencyAllToAll", dict(
@@ -314,6 +323,33 @@ class EPLowLatencyAllToAll:
         into the source rank's buffer, so there is no staging copy to skip.
         """
         self._check_open()
+        together = getattr(self.transport, "combine_exchanges_status", False) and not (
+            isinstance(expert_out, torch.Tensor) and _capturing(expert_out))
+        try:
+            expert_out, ids, weights, meta, stamps = self._combine_args(expert_out, topk_ids, topk_weights,
+                                                                        dispatch_meta, zero_copy)
+        except ValueError as error:
+            if not together:
+                raise
+            # Still take part in the exchange (a poisoned message), carrying the error to every rank.
+            _, statuses = self.transport.combine(None, None, None, status=self.step.problem_status(str(error),
+                                                                                                    self.device))
+            self.step.settle_gathered(statuses, "this combine")
+            raise  # settle raised already: this rank's status is bad
+        if together:
+            slot_rows, statuses = self.transport.combine(expert_out, meta, stamps,
+                                                         status=self.step.problem_status(None, self.device))
+            self.step.settle_gathered(statuses, "this combine")
+        else:
+            slot_rows = self.transport.combine(expert_out, meta, stamps)
+        self._stamp(stamps, TOPK_REDUCE, START)
+        y = self.transport.topk_reduce(slot_rows, ids, weights, self.layout.dtype)
+        self._stamp(stamps, TOPK_REDUCE, END)
+        return y
+
+    def _combine_args(self, expert_out, topk_ids, topk_weights, dispatch_meta, zero_copy):
+        """combine's arguments checked (ValueError) and resolved: (expert_out, ids, weights,
+        meta, stamps)."""
         L = self.layout
         if not isinstance(zero_copy, bool):
             raise ValueError(f"zero_copy must be a bool, got {zero_copy!r}")
@@ -339,13 +375,7 @@ class EPLowLatencyAllToAll:
         # dispatch are masked already).
         if _capturing(expert_out) and not from_dispatch:
             ids = torch.where((ids < -1) | (ids >= L.num_experts), -1, ids)
-
-        stamps = self._new_stamps("combine", len(COMBINE_PHASES))
-        slot_rows = self.transport.combine(expert_out.contiguous(), meta, stamps)
-        self._stamp(stamps, TOPK_REDUCE, START)
-        y = self.transport.topk_reduce(slot_rows, ids, weights, L.dtype)
-        self._stamp(stamps, TOPK_REDUCE, END)
-        return y
+        return expert_out.contiguous(), ids, weights, meta, self._new_stamps("combine", len(COMBINE_PHASES))
 
     # -- lifetime, traces ------------------------------------------------------------------
 

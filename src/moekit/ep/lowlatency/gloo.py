@@ -23,7 +23,9 @@ are the layout's receive regions (:meth:`LowLatencyLayout.receive_region_bytes`)
   elsewhere. Rank s takes slot (t, k) from the owner of expert ``topk_ids[t, k]``.
   ``combine_order="rank"``: message to rank s = ``[max_m, H]``, the partial sum of each of
   s's tokens over its slots here (K times fewer bytes), NaN where it has none; rank s adds
-  the partials of the ranks its token names, in rank order.
+  the partials of the ranks its token names, in rank order. Either message starts with the
+  sender's step status (``STATUS_WORDS`` int64), so a rank with bad combine arguments still
+  sends a well-formed (all NaN) message that tells every peer, and all ranks raise together.
 
 Buffers are allocated once per phase (two phases, alternating like the GPU double buffer),
 so a :class:`RecvBuffers` stays valid until the same phase is used again, two calls later.
@@ -31,6 +33,8 @@ Bytes are copied, never converted, so results are bitwise those of the reference
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -90,6 +94,7 @@ class GlooTransport(TransportDefaults):
     """
 
     exchanges_status = True  # dispatch(..., status=) carries every rank's step status
+    combine_exchanges_status = True  # combine(..., status=) too
     combine_orders = ("slot", "rank")
     bounded_receive = True  # layout.recv_capacity < max_m: spill rounds
 
@@ -115,10 +120,15 @@ class GlooTransport(TransportDefaults):
         self._recv = [torch.zeros(P, self.message_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         self._spill_send = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         self._spill_recv = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        # Combine message: the step status (int64 words), then the rows ([max_m, K, H] or [max_m, H]).
         per_token = (L.topk,) if L.combine_order == "slot" else ()
-        self._combine_send = [torch.empty(P, L.max_m, *per_token, L.hidden, dtype=L.dtype, device=dev)
-                              for _ in range(2)]
-        self._combine_recv = [torch.empty_like(b) for b in self._combine_send]
+        self._combine_rows = (L.max_m, *per_token, L.hidden)
+        self._combine_bytes = STATUS_WORDS * 8 + _aligned(L.max_m * math.prod(per_token) * L.hidden * L.dtype.itemsize)
+        self._combine_messages = [[torch.zeros(P, self._combine_bytes, dtype=torch.uint8, device=dev)
+                                   for _ in range(2)] for _ in range(2)]  # [phase][send, receive]
+        # The rows segments (typed views): what combine_order="rank" makes K times smaller.
+        self._combine_send = [self._combine_segments(send)[1] for send, _ in self._combine_messages]
+        self._combine_recv = [self._combine_segments(recv)[1] for _, recv in self._combine_messages]
         self._built: tuple[RecvBuffers, LowLatencyMeta, torch.Tensor, torch.Tensor | None] | None = None
         self._dispatch_calls = 0
         self._combine_calls = 0
@@ -270,14 +280,37 @@ class GlooTransport(TransportDefaults):
 
     # -- combine ---------------------------------------------------------------------------
 
-    def combine(self, expert_out: torch.Tensor, meta: LowLatencyMeta, stamps: torch.Tensor | None) -> torch.Tensor:
+    def _combine_segments(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(status ``[P, STATUS_WORDS]`` int64, rows ``[P, *rows]`` in the layer's dtype) of a combine message."""
+        L, P = self.layout, self.layout.world_size
+        status = buf[:, :STATUS_WORDS * 8].view(torch.int64)
+        count = math.prod(self._combine_rows)
+        rows = buf[:, STATUS_WORDS * 8:STATUS_WORDS * 8 + count * L.dtype.itemsize].view(L.dtype)
+        return status, rows.view(P, *self._combine_rows)
+
+    def combine(self, expert_out: torch.Tensor | None, meta: LowLatencyMeta | None, stamps: torch.Tensor | None,
+                status: torch.Tensor | None = None):
+        """The Transport's combine; with ``status`` (this rank's step status, ``[STATUS_WORDS]``
+        int64) it returns (the slot rows, every rank's status ``[P, STATUS_WORDS]``). A rank
+        whose combine arguments were bad passes ``expert_out=None, meta=None`` and its error in
+        ``status``: it sends NaN rows and gets no rows back (None), only the statuses."""
         self._check_open()
         L = self.layout
         phase = self._combine_calls % 2
         self._combine_calls += 1
-        send, recv = self._combine_send[phase], self._combine_recv[phase]
+        send_buf, recv_buf = self._combine_messages[phase]
+        status_out, send = self._combine_segments(send_buf)
+        r_status, recv = self._combine_segments(recv_buf)
         P, M, K, H = L.world_size, L.max_m, L.topk, L.hidden
         poison = _poison_bits(L.dtype, send.device)
+        if status is None:
+            status_out.zero_()
+        else:
+            status_out.copy_(status.view(1, STATUS_WORDS).expand(P, STATUS_WORDS))
+        if expert_out is None:  # bad arguments here: a well-formed message that carries the error
+            bits_view(send).fill_(poison)
+            self._exchange(recv_buf, send_buf, "combine exchange")
+            return None, r_status
 
         host_stamp(stamps, COPY_AND_PUT, START)
         if L.combine_order == "rank":
@@ -289,27 +322,26 @@ class GlooTransport(TransportDefaults):
             rows = flat.index_select(0, meta.slot_row.clamp(min=0).view(-1)).view(P, M, K, H)
             serves = (meta.slot_row >= 0).unsqueeze(3)
             bits_view(send).copy_(torch.where(serves, rows, poison))
-        self._exchange(recv, send, "combine exchange")
+        self._exchange(recv_buf, send_buf, "combine exchange")
         host_stamp(stamps, COPY_AND_PUT, END)
 
         host_stamp(stamps, RECV_WAIT, START)
         if L.combine_order == "rank":
-            rows = recv.transpose(0, 1)  # [M, P, H]: token t's partial from every rank
-            host_stamp(stamps, RECV_WAIT, END)
-            return rows
-        # Slot (t, k) of this rank's token came from the owner of expert ids[t, k].
-        own_ids = meta.recv.ids[L.rank].to(torch.int64)  # our own routing, as we sent it
-        owner = torch.div(own_ids.clamp(0, L.num_experts - 1), L.experts_per_rank, rounding_mode="floor")
-        index = owner.view(1, M, K, 1).expand(1, M, K, H)
-        slot_rows = bits_view(recv).gather(0, index).view(M, K, H).view(L.dtype)
+            slot_rows = recv.transpose(0, 1)  # [M, P, H]: token t's partial from every rank
+        else:
+            # Slot (t, k) of this rank's token came from the owner of expert ids[t, k].
+            own_ids = meta.recv.ids[L.rank].to(torch.int64)  # our own routing, as we sent it
+            owner = torch.div(own_ids.clamp(0, L.num_experts - 1), L.experts_per_rank, rounding_mode="floor")
+            index = owner.view(1, M, K, 1).expand(1, M, K, H)
+            slot_rows = bits_view(recv).gather(0, index).view(M, K, H).view(L.dtype)
         host_stamp(stamps, RECV_WAIT, END)
-        return slot_rows
+        return slot_rows if status is None else (slot_rows, r_status)
 
     def stamp(self, stamps: torch.Tensor | None, index: int, which: int) -> None:
         host_stamp(stamps, index, which)
 
     def close(self) -> None:
-        self._send = self._recv = self._combine_send = self._combine_recv = []
+        self._send = self._recv = self._combine_send = self._combine_recv = self._combine_messages = []
         self._spill_send = self._spill_recv = []
         self._built = None
         self._closed = True

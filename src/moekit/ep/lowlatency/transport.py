@@ -57,6 +57,11 @@ class Transport(Protocol):
     # ``RecvBuffers.status``; the layer then checks all ranks' inputs together, in the one
     # exchange. Absent or False: the layer validates on the host before calling dispatch.
     # exchanges_status: bool
+    # Optional attribute: True when combine also takes ``status=`` and then returns (slot rows,
+    # every rank's status [world, STATUS_WORDS]); a rank with bad combine arguments calls
+    # combine(None, None, None, status=...) to still take part (it gets the statuses only).
+    # Absent or False: the layer checks combine's arguments on the host, rank by rank.
+    # combine_exchanges_status: bool
     # Optional method dispatch_unchecked(x, topk_ids, num_experts, stamps) -> (RecvBuffers,
     # int32 ids, device bool): dispatch with ids of any int dtype, those outside [-1, E) treated
     # as -1 (returned masked), and whether there were any: what the layer needs under CUDA-graph
