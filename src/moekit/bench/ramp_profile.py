@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moekit.jsonfile import read_json
 from moekit.kernels.configs import KernelConfig
 from moekit.ramp.dataset import Point, Timings, config_from_record
 from moekit.ramp.modelfile import dtype_name
@@ -177,13 +178,9 @@ def save_timings(t: Timings, path: str | Path, **meta) -> Path:
 def load_timings(path: str | Path) -> tuple[Timings, dict]:
     """(timings, {family, capacity, params}) of a file written by :func:`save_timings`."""
     path = Path(path)
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not gzip-compressed JSON ({error})") from None
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such timings file")
+    d = read_json(path, "a timings file", gzipped=True)  # bounded in size and depth
     if not isinstance(d, dict) or d.get("format") != TIMINGS_FORMAT or d.get("version") != TIMINGS_VERSION:
         raise ValueError(f"{path}: not a {TIMINGS_FORMAT} v{TIMINGS_VERSION} file")
     try:
