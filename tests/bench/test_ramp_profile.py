@@ -129,7 +129,7 @@ def test_timings_file_errors(tmp_path):
     with pytest.raises(ValueError, match="not a moekit-ramp-timings"):
         pf.load_timings(bad)
     bad.write_text("plain")
-    with pytest.raises(ValueError, match="not gzip"):
+    with pytest.raises(ValueError, match="not a gzip file"):
         pf.load_timings(bad)
     with gzip.open(bad, "wt") as f:
         f.write(json.dumps({"format": pf.TIMINGS_FORMAT, "version": pf.TIMINGS_VERSION, "shape": {}}))
