@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moekit.fp8 import quantize_blocks  # noqa: E402
-from moekit.kernels import KernelConfig, LaunchPlan, fused_moe, fused_moe_expert_major, pdl  # noqa: E402
+from moekit.kernels import (KernelConfig, LaunchPlan, expert_major_default, fused_moe,  # noqa: E402
+                            fused_moe_expert_major, pdl)
 from moekit.moe.experts import MoEWeights  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -172,7 +173,7 @@ def test_expert_major_bitwise_with_and_without_pdl():
     counts = torch.tensor([0, 1, 16, 17, 48, 3, 0, 30], device="cuda")
 
     def call(plan):
-        return fused_moe_expert_major(tokens, counts, w13, w2, None, plan=plan)
+        return fused_moe_expert_major(tokens, counts, w13, w2, expert_major_default(cap, False), plan=plan)
 
     def valid(y):
         return torch.cat([y[e, :int(n)] for e, n in enumerate(counts.tolist())])

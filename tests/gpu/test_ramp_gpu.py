@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from moekit.kernels import KernelConfig, config_space, expert_major_default, fused_moe  # noqa: E402
-from moekit.kernels import fused_moe_expert_major  # noqa: E402
+from moekit.kernels import KernelConfig, config_space, expert_major_default  # noqa: E402
+from moekit.ops import fused_moe, fused_moe_expert_major  # noqa: E402  (the policy entries: "auto" and configs)
 from moekit.moe import FusedExperts  # noqa: E402
 from moekit.ramp import costmodel as cm  # noqa: E402
 from moekit.ramp import graphs  # noqa: E402
@@ -317,14 +317,14 @@ def test_captured_fused_experts_replay_the_static_choice(models_dir):
         assert all(torch.equal(out[e, :n], want[e, :n]) for e, n in enumerate(counts.tolist()))
 
 
-def test_fused_experts_default_reads_only_where_it_pays(models_dir):
-    """FusedExperts' default ("ramp"): with a model file, the static choice where the model's
+def test_fused_experts_ramp_policy_reads_only_where_it_pays(models_dir):
+    """FusedExperts' "ramp" policy (opt-in): with a model file, the static choice where the model's
     predicted gain over the calls one read serves does not cover the read, one read per step
     where it does; the call runs the chosen config exactly either way."""
     em = [c for c in DECODE if c.bm == 16]
     _save(_model(em + [DECODE[2]], [(10, 2), (30, 0), (1000, 0)], "expert_major", CAPACITY), models_dir)
     _, w13, w2 = _inputs(1, seed=8)
-    layers = [FusedExperts(w13, w2) for _ in range(4)]
+    layers = [FusedExperts(w13, w2, config="ramp") for _ in range(4)]
     assert all(m.config == "ramp" for m in layers)
     s = sel.model_selector_for(SHAPE.num_experts, None, SHAPE.hidden, SHAPE.intermediate, dtype=torch.bfloat16,
                                device=DEV, family="expert_major", capacity=CAPACITY)
