@@ -92,9 +92,9 @@ def test_counts_past_capacity_are_clamped():
 def test_bad_counts():
     tokens, counts, w = _case(8, [1, 1, 1, 1, 1], torch.float32)
     with pytest.raises(ValueError, match="int32 or int64"):
-        fused_moe_expert_major(tokens, counts.float(), w.w13, w.w2)
+        fused_moe_expert_major(tokens, counts.float(), w.w13, w.w2, STORED[0])
     with pytest.raises(ValueError, match="counts must be"):
-        fused_moe_expert_major(tokens, counts[:4], w.w13, w.w2)
+        fused_moe_expert_major(tokens, counts[:4], w.w13, w.w2, STORED[0])
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

@@ -31,7 +31,8 @@ import torch
 pytest.importorskip("triton")
 
 from moekit.fp8 import calc_diff, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups  # noqa: E402
-from moekit.kernels import KernelConfig, LaunchPlan, config_space, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import (KernelConfig, LaunchPlan, config_space, default_config, fused_moe,  # noqa: E402
+                            fused_moe_expert_major)
 from moekit.kernels.quant import quantize_groups_triton  # noqa: E402
 from moekit.moe.experts import MoEWeights, swiglu  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
@@ -309,7 +310,7 @@ def test_decode_gemm2_wide_chunks_are_bitwise_one_group_chunks(case, swap):
 def test_default_config(case):
     x = case.tokens(6)
     ids, tw = synthetic_routing(6, SHAPE.num_experts, SHAPE.top_k, seed=8)
-    _check(case, x, ids.to(torch.int32), tw, None)
+    _check(case, x, ids.to(torch.int32), tw, default_config(6, SHAPE, dtype=torch.float8_e4m3fn))
 
 
 def test_zero_tokens(case):

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from moekit.kernels import FixupPlan, KernelConfig, LaunchPlan, fused_moe, fused_moe_expert_major  # noqa: E402
+from moekit.kernels import (FixupPlan, KernelConfig, LaunchPlan, default_config, fused_moe,  # noqa: E402
+                            fused_moe_expert_major)
 from moekit.moe.experts import MoEWeights, expert_mlp  # noqa: E402
 from moekit.moe.reference import reference_moe  # noqa: E402
 from moekit.routing.generate import synthetic_routing  # noqa: E402
@@ -308,7 +309,7 @@ def test_single_token(form, dtype):
 
 def test_int32_ids_and_default_config():
     x, w, ids, tw = _case(6, seed=5)
-    _check(x, w, ids.to(torch.int32), tw, None, torch.float32)
+    _check(x, w, ids.to(torch.int32), tw, default_config(6, SHAPE), torch.float32)
 
 
 def test_zero_tokens():
