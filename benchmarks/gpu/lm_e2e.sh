@@ -2,7 +2,8 @@
 # transformers MoE models on moekit on one GPU, end to end: the local path's GPU tests, one MoE
 # block's experts call on both sides (`moekit bench experts`), and generation eager and compiled
 # (`moekit lm bench --preset ...`) against transformers' own experts.
-# Stages (LM_E2E_STAGES, comma-separated; default all): tests, experts, and one lm:PRESET per model
+# Stages (LM_E2E_STAGES, comma-separated; default all): tests, kernel-tests (the kernels' GPU tests),
+# probe (benchmarks/probes/host_path_probe.py), experts, and one lm:PRESET per model
 # (lm:olmoe-1b-7b, lm:qwen3-30b-a3b, lm:mixtral-8x7b, lm:trained = a small LM trained here first).
 # Everything lands under $OUT: log.txt and the JSON records.
 # Usage (GPU machine, repo root): LM_E2E_STAGES=tests,experts bash benchmarks/gpu/lm_e2e.sh
@@ -30,7 +31,11 @@ stage() {  # stage NAME SECONDS COMMAND...
   for s in "${todo[@]}"; do
     case "$s" in
       tests) stage gpu-tests 240 python3 -m pytest -p no:cacheprovider -q -s tests/gpu/test_local_path_gpu.py \
-               tests/gpu/test_hf_integration_gpu.py ;;
+               tests/gpu/test_hf_integration_gpu.py tests/gpu/test_bound_launch_gpu.py ;;
+      kernel-tests) stage kernel-tests 300 python3 -m pytest -p no:cacheprovider -q tests/gpu/test_fused_moe_gpu.py \
+               tests/gpu/test_fused_moe_fp8_gpu.py tests/gpu/test_align_gpu.py tests/gpu/test_pdl_gpu.py \
+               tests/gpu/test_ramp_gpu.py ;;
+      probe) stage host-path-probe 240 python3 benchmarks/probes/host_path_probe.py ;;
       experts) stage experts 240 python3 -m moekit.bench.experts_call --presets "$EXPERTS_PRESETS" --out-dir "$OUT" ;;
       lm:trained)
         stage train 150 python3 -m moekit.cli lm train --preset default --minutes 1 --out /tmp/moekit-lm

@@ -2,7 +2,8 @@
 CUDA graphs (one GPU).
 
 1. Host microseconds per call of a bare torch launch (``torch.add``), a trivial Triton kernel, the
-   bare ``moekit.ops.fused_moe`` call and a patched block's experts call at M = 1 and 64
+   bare ``moekit.ops.fused_moe`` call (bound launches, ``moekit.kernels.bound``) beside the same
+   kernels by Triton's own launch, and a patched block's experts call at M = 1 and 64
    (OLMoE-1B-7B dimensions), then a cProfile of 300 calls of each moekit call (top entries by
    own time).
 2. A 4-layer OLMoE-1B-7B model patched with ``fused``, greedy generation at batch 1 under a
@@ -53,7 +54,9 @@ def part1():
 
     from moekit.integrations.lm.presets import random_model
     from moekit.integrations.transformers import moe_blocks, patch
+    from moekit.kernels import fused_moe as triton_fused_moe
     from moekit.ops import fused_moe
+    from moekit.ops.policy import token_config
 
     @triton.jit
     def _noop(ptr, n, BLOCK: tl.constexpr):
@@ -74,6 +77,9 @@ def part1():
             print(f"transformers experts M={M}: {host_us(lambda: experts(x, ids, w)):.1f} us")
             op = lambda: fused_moe(x, w13, w2, ids, w)  # noqa: E731
             print(f"fused_moe op M={M}: {host_us(op):.1f} us")
+            config = token_config("static", ids, w13, w2)
+            unbound = lambda: triton_fused_moe(x, w13, w2, ids, w, config)  # noqa: E731
+            print(f"the same kernels by Triton's launch M={M}: {host_us(unbound):.1f} us")
             profile(op, f"fused_moe op M={M}")
     patch(model, experts="fused")
     for M in (1, 64):
@@ -94,13 +100,15 @@ def part2():
 
     torch._logging.set_logs(perf_hints=True, cudagraphs=True)
     logging.getLogger("torch").propagate = False
-    records = []
+    records, full = [], []
 
     class Keep(logging.Handler):
         def emit(self, record):
             msg = record.getMessage()
             if "skipping" in msg.lower() or "Recording function" in msg or "Re-recording" in msg:
                 records.append(msg.split(", inputs")[0][:200])
+                if "Re-recording" in msg and len(full) < 2:
+                    full.append(msg[:4000])  # with the stack trace of the input that changed
 
     keep = Keep()
     for name in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._dynamo"):
@@ -138,6 +146,9 @@ def part2():
 
     for r, n in Counter(records).most_common(30):
         print(f"{n:5d} x {r}")
+    for msg in full:
+        print("---- a re-recording message in full:")
+        print(msg)
 
 
 if __name__ == "__main__":

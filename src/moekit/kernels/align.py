@@ -44,6 +44,7 @@ import torch
 
 # Triton is optional: the package imports without it (align_tokens then uses torch).
 from moekit.kernels.backend import HAVE_TRITON, interpreting, require_triton, tl, triton
+from moekit.kernels.bound import launch as bound_launch
 
 
 @dataclass
@@ -296,16 +297,16 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
     if not one:
         zero_n = 0 if zero is None else zero.numel()
         zero_progs = -(-zero_n // _ZERO_BLOCK)
-        _count_chunks[(chunks + zero_progs,)](ids, hist, sorted_ids, sorted_ids if zero is None else zero,
-                                              num_pairs, num_experts, cap, fill_per_prog, chunks, zero_n,
-                                              SCAN=scan, BINS=bins, **fill, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4)
+        bound_launch(_count_chunks, (chunks + zero_progs,), ids, hist, sorted_ids, sorted_ids if zero is None else zero,
+                     num_pairs, num_experts, cap, fill_per_prog, chunks, zero_n,
+                     SCAN=scan, BINS=bins, **fill, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4)
         al.zeroed = zero is not None
-    _scatter_chunks[(chunks,)](ids, hist, sorted_ids, block_expert, num_padded,
-                               num_pairs, num_experts, chunks, bm, cap, num_blocks, blocks_per_prog,
-                               SCAN=scan, BINS=bins, CHUNK_STEPS=_pow2_at_least(chunks),
-                               BLOCK_TILE=_BLOCK_TILE,
-                               BLOCK_STEPS=_pow2_at_least(-(-blocks_per_prog // _BLOCK_TILE)),
-                               ONE_CHUNK=one, **fill, num_warps=4 if scan <= 256 else 8)
+    bound_launch(_scatter_chunks, (chunks,), ids, hist, sorted_ids, block_expert, num_padded,
+                 num_pairs, num_experts, chunks, bm, cap, num_blocks, blocks_per_prog,
+                 SCAN=scan, BINS=bins, CHUNK_STEPS=_pow2_at_least(chunks),
+                 BLOCK_TILE=_BLOCK_TILE,
+                 BLOCK_STEPS=_pow2_at_least(-(-blocks_per_prog // _BLOCK_TILE)),
+                 ONE_CHUNK=one, **fill, num_warps=4 if scan <= 256 else 8)
     return al
 
 

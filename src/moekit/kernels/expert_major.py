@@ -38,6 +38,8 @@ import torch
 from moekit.kernels import pdl
 from moekit.kernels.align import align_expert_major
 from moekit.kernels.backend import HAVE_TRITON, check_device, interpreting, require_triton, tl, triton
+from moekit.kernels.bound import launch as bound_launch
+from moekit.kernels.bound import remembered
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.inputs import (FP8, SUPPORTED, check_config, check_scale, check_weights, fp8_activations,
                                    fp8_weight_scales, is_fp8_weights, no_scales)
@@ -142,7 +144,8 @@ def _em_grid(kernel, args: tuple, const: dict, units_bound: int, plan: LaunchPla
     programs one after another, so a few walk every unit."""
     if interpreting():
         return max(1, min(units_bound, plan.expert_major_interpret_grid))
-    return max(1, min(units_bound, resident_grid(kernel, args, const, plan.expert_major_ctas_per_sm)))
+    resident = remembered((kernel, "grid"), lambda: resident_grid(kernel, args, const, plan.expert_major_ctas_per_sm))
+    return max(1, min(units_bound, resident))
 
 
 def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, capacity: int,
@@ -164,13 +167,13 @@ def _run_stored(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: to
     # GEMM2 never launches at GEMM1's start: GEMM1 is no short kernel (moekit.kernels.pdl).
     const1 = dict(common, BN=c.bn, SOFT_ROUND=fp8 and interpreting(), EARLY=False)
     grid1 = _em_grid(_em_gemm1_kernel, args1, const1, max_blocks * triton.cdiv(N, c.bn), plan)
-    _em_gemm1_kernel[(grid1,)](*args1, **const1)
+    bound_launch(_em_gemm1_kernel, (grid1,), *args1, **const1)
 
     args2 = (inter, w2, out, counts, E, capacity, H, N, inter.stride(0), *w2.stride(), out.stride(0),
              is_args[0], w2s_args[0], is_args[1], *w2s_args[1:])
     const2 = dict(common, BN=c.gemm2_bn, WHOLE_CHUNKS=N % c.bk == 0)
     grid2 = _em_grid(_em_gemm2_kernel, args2, const2, max_blocks * triton.cdiv(H, c.gemm2_bn), plan)
-    _em_gemm2_kernel[(grid2,)](*args2, **const2)
+    bound_launch(_em_gemm2_kernel, (grid2,), *args2, **const2)
     return out
 
 

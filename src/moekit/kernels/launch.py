@@ -10,6 +10,8 @@ import torch
 
 from moekit.kernels import pdl
 from moekit.kernels.align import Alignment, DirectBlocks
+from moekit.kernels.bound import launch as bound_launch
+from moekit.kernels.bound import remembered
 from moekit.kernels.backend import HAVE_TRITON, interpreting, triton
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.inputs import FP8
@@ -94,7 +96,7 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     soft = fp8 and interpreting()
     if c.form == "fused":
         grid = (num_m * triton.cdiv(N, c.bn),)
-        fused_kernel[grid](
+        bound_launch(fused_kernel, grid,
             x2d, w13, w2, out, wptr, *addr, num_m, H, N,
             x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
             w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
@@ -122,7 +124,7 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     else:
         count, tiles, counters = out, 0, 0
     grid1 = (num_m * triton.cdiv(N, c.bn),)
-    gemm1_swiglu_kernel[grid1](
+    bound_launch(gemm1_swiglu_kernel, grid1,
         x2d, w13, inter, count, tiles, *addr, num_m, H, N,
         x2d.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         xs_args[0], w13s_args[0], is_args[0], xs_args[1], *w13s_args[1:], is_args[1],
@@ -132,7 +134,7 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     )
     if decode:
         ids, num_tokens, top_k, num_experts = addr[4:]
-        gemm2_decode_kernel[(tiles, splits)](
+        bound_launch(gemm2_decode_kernel, (tiles, splits),
             inter, w2, out, part, count, wptr, ids, num_tokens, top_k, num_experts, H, N,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
@@ -143,7 +145,7 @@ def run_blocks(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
         return out
     grid2 = (num_m * triton.cdiv(H, c.gemm2_bn), c.split_k)
     per_split = triton.cdiv(triton.cdiv(N, c.bk), c.split_k)  # whole BK chunks per split
-    gemm2_kernel[grid2](
+    bound_launch(gemm2_kernel, grid2,
         inter, w2, out, wptr, *addr, num_m, H, N,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         is_args[0], w2s_args[0], is_args[1], *w2s_args[1:],
@@ -193,12 +195,12 @@ def run_persistent(x2d, w13, w2, wptr, inter, out, al: DirectBlocks, c: KernelCo
         launches = [dict(PHASES=1), dict(PHASES=2)]
     else:
         launches = [dict(PHASES=3, launch_cooperative_grid=True)]
-        sync_type = torch.empty(1, dtype=torch.int32, device=device)
-        grid = resident_grid(persistent_decode_kernel, args(sync_type, f32, f32), {**launches[0], **const},
-                             plan.persistent_ctas_per_sm)
+        grid = remembered("persistent grid", lambda: resident_grid(
+            persistent_decode_kernel, args(torch.empty(1, dtype=torch.int32, device=device), f32, f32),
+            {**launches[0], **const}, plan.persistent_ctas_per_sm))
     # [0] the barrier, then phase 1's tile counts (fewer than the grid), then phase 2's.
     sync = pdl.zeros((1 + grid + tiles2,), torch.int32, device, plan)
     part1 = torch.empty(grid, c.bm, 2 * c.bn, dtype=torch.float32, device=device) if max_splits1 > 1 else f32
     part2 = torch.empty(splits2, c.bm, H, dtype=torch.float32, device=device) if splits2 > 1 else f32
     for launch in launches:
-        persistent_decode_kernel[(grid,)](*args(sync, part1, part2), **launch, **const)
+        bound_launch(persistent_decode_kernel, (grid,), *args(sync, part1, part2), **launch, **const)

@@ -42,6 +42,7 @@ from types import MappingProxyType
 import torch
 
 from moekit.kernels.backend import HAVE_TRITON, interpreting, tl, triton
+from moekit.kernels.bound import launch as bound_launch
 from moekit.kernels.occupancy import capability, sm_count
 from moekit.kernels.plan import DEFAULT_PLAN, PDL_EARLY_ROLES, PDL_ROLES, LaunchPlan
 
@@ -136,8 +137,8 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device, plan: LaunchPl
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.numel():
         grid = triton.cdiv(t.numel(), _BLOCK)
-        _fill_zero_kernel[(grid,)](t, t.numel(), BLOCK=_BLOCK, PDL=True, EARLY=early("zero", True, grid, device, plan),
-                                   **launch_options(True))
+        bound_launch(_fill_zero_kernel, (grid,), t, t.numel(), BLOCK=_BLOCK, PDL=True,
+                     EARLY=early("zero", True, grid, device, plan), **launch_options(True))
     return t
 
 
@@ -150,6 +151,6 @@ def cast(src: torch.Tensor, dtype: torch.dtype, plan: LaunchPlan = DEFAULT_PLAN)
         raise ValueError("cast needs a contiguous tensor")
     dst = torch.empty(src.shape, dtype=dtype, device=src.device)
     if src.numel():
-        _cast_kernel[(triton.cdiv(src.numel(), _BLOCK),)](src, dst, src.numel(), BLOCK=_BLOCK, PDL=True,
-                                                          **launch_options(True))
+        bound_launch(_cast_kernel, (triton.cdiv(src.numel(), _BLOCK),), src, dst, src.numel(), BLOCK=_BLOCK, PDL=True,
+                     **launch_options(True))
     return dst

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels.backend import HAVE_TRITON, check_device, interpreting, require_triton, tl, triton
+from moekit.kernels.bound import launch as bound_launch
 from moekit.kernels.pdl import early, launch_options, pdl_on
 from moekit.kernels.plan import DEFAULT_PLAN, LaunchPlan
 
@@ -124,8 +125,8 @@ def quantize_groups_triton(x: torch.Tensor, plan: LaunchPlan = DEFAULT_PLAN) -> 
     bm = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, bm), H // FP8_GROUP)
     on = pdl_on(x.device, plan)
-    _quantize_groups_kernel[grid](x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
-                                  BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on,
-                                  EARLY=early("quant", on, grid[0] * grid[1], x.device, plan), num_warps=4,
-                                  **launch_options(on))
+    bound_launch(_quantize_groups_kernel, grid, x, q, scales, M, x.stride(0), q.stride(0), scales.stride(0),
+                 BM=bm, GROUP=FP8_GROUP, SOFT_ROUND=interpreting(), PDL=on,
+                 EARLY=early("quant", on, grid[0] * grid[1], x.device, plan), num_warps=4,
+                 **launch_options(on))
     return q, scales

@@ -8,14 +8,16 @@ kernels directly; traced by ``torch.compile`` they become the custom operators o
 
 The host path of an eager call is kept short: the argument checks run once per signature (the
 shapes, strides, dtypes and devices of every tensor; a new token count is a new signature), the
-config comes from the policy's dict, and nothing is read back from the device (except by the
-``"auto"`` / ``"ramp"`` policies, whose reads are RaMP's, once per step).
+config comes from the policy's dict, the kernels launch straight from their binaries after the
+first call of a signature (:mod:`moekit.kernels.bound`), and nothing is read back from the
+device (except by the ``"auto"`` / ``"ramp"`` policies, whose reads are RaMP's, once per step).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moekit.kernels import bound
 from moekit.kernels.configs import KernelConfig
 from moekit.ops.policy import check_policy, expert_major_config, token_config
 
@@ -28,6 +30,11 @@ def signature(*tensors) -> tuple:
     """What the kernels' checks depend on, for every argument (None stays None)."""
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor)
                  else type(t) for t in tensors)
+
+
+def alignments(tensors) -> tuple:
+    """Whether each tensor's address is 16-byte aligned (Triton specializes pointers on it)."""
+    return tuple(t is not None and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _remember(done: set, key) -> None:
@@ -76,8 +83,10 @@ def eager_fused_moe(x, w13, w2, topk_ids, topk_weights, policy: KernelConfig | s
                         x_scale=x_scale)
         _remember(_CHECKED, key)
     config = _checked_config(token_config(policy, topk_ids, w13, w2, layer=layer), w13.dtype == torch.float8_e4m3fn)
-    return run_fused_moe(x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale,
-                         x_scale=x_scale)
+    tensors = (x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, x_scale)
+    with bound.call(("fused_moe", key, config, alignments(tensors))):
+        return run_fused_moe(x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                             x_scale=x_scale)
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -109,5 +118,7 @@ def eager_fused_moe_expert_major(tokens, counts, w13, w2, policy: KernelConfig |
         _remember(_CHECKED, key)
     config = expert_major_config(policy, counts, tokens.shape[1], w13, w2, top_k=top_k, layer=layer)
     config = _checked_config(config, w13.dtype == torch.float8_e4m3fn)
-    return run_fused_moe_expert_major(tokens, counts, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
-                                      token_scales=token_scales)
+    tensors = (tokens, counts, w13, w2, w13_scale, w2_scale, token_scales)
+    with bound.call((key, config, alignments(tensors))):
+        return run_fused_moe_expert_major(tokens, counts, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                                          token_scales=token_scales)
