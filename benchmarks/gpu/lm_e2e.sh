@@ -35,7 +35,7 @@ stage() {  # stage NAME SECONDS COMMAND...
       kernel-tests) stage kernel-tests 300 python3 -m pytest -p no:cacheprovider -q tests/gpu/test_fused_moe_gpu.py \
                tests/gpu/test_fused_moe_fp8_gpu.py tests/gpu/test_align_gpu.py tests/gpu/test_pdl_gpu.py \
                tests/gpu/test_ramp_gpu.py ;;
-      probe) stage host-path-probe 240 python3 benchmarks/probes/host_path_probe.py ;;
+      probe) stage host-path-probe 240 python3 benchmarks/probes/host_path_probe.py ${PROBE_PARTS:-1 2} ;;
       experts) stage experts 240 python3 -m moekit.bench.experts_call --presets "$EXPERTS_PRESETS" --out-dir "$OUT" ;;
       lm:trained)
         stage train 150 python3 -m moekit.cli lm train --preset default --minutes 1 --out /tmp/moekit-lm
