@@ -23,7 +23,7 @@ E, H, N, K = 8, 256, 256, 2
 CONFIGS = {
     "decode": KernelConfig(bm=16, bn=128, bk=128, form="two_launch", split_k=1),
     "fused": KernelConfig(bm=16, bn=128, bk=128, form="fused"),
-    "split_k": KernelConfig(bm=64, bn=128, bk=128, form="two_launch", split_k=2),
+    "split_k": KernelConfig(bm=32, bn=128, bk=128, num_stages=2, form="two_launch", split_k=2),
 }
 
 
