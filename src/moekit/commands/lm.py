@@ -31,6 +31,21 @@ def run_bench(args) -> int:
     return 0
 
 
+def run_serve_bench(args) -> int:
+    from moekit.bench.report import format_table
+    from moekit.integrations.lm.serve import serve_args_to_spec, serve_bench
+
+    spec, gpus = serve_args_to_spec(args)
+    if spec.smoke:
+        print("smoke run on the CPU at toy size (tiny presets, gloo ranks): it checks the code path; "
+              "its numbers say nothing about serving on GPUs")
+    rows = serve_bench(spec, gpus, timeout=args.timeout)
+    if rows:
+        print(format_table(rows, ["model", "phase", "mode", "implementation", "batch", "status", "tokens_per_s",
+                                  "vs_best_transformers", "ttft_s", "peak_mem_gib", "prefix_share"], floatfmt=".3f"))
+    return 0
+
+
 def _positive_ints(name: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(b) for b in text.split(","))
@@ -39,6 +54,10 @@ def _positive_ints(name: str, text: str) -> tuple[int, ...]:
     if not values or any(not 1 <= v <= 4096 for v in values):
         raise ValueError(f"{name} must be ints in [1, 4096], got {text!r}")
     return values
+
+
+IMPLEMENTATIONS_HELP = ("moekit-ep", "moekit-1gpu", "transformers-tp", "transformers-ep", "transformers-device-map",
+                        "transformers-1gpu")
 
 
 def register(sub) -> None:
@@ -79,3 +98,32 @@ def register(sub) -> None:
                    "(static cache + torch.compile(fullgraph=True, mode='reduce-overhead')); default both")
     b.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"where the JSON record goes (default {DEFAULT_OUT_DIR}/)")
     b.set_defaults(func=run_bench)
+    s = lm_sub.add_parser("serve-bench", help="serving on several GPUs: moekit's expert parallelism vs "
+                          "transformers' tensor/expert parallelism and device_map, same run, same GPUs")
+    s.add_argument("--gpus", type=int, default=None, help="ranks (GPUs) to start here (default: all visible GPUs; "
+                   "2 gloo ranks on a CPU); under torchrun the world size is torchrun's")
+    s.add_argument("--models", default=None, help="comma-separated presets (default olmoe-1b-7b,qwen3-30b-a3b; "
+                   "tiny-olmoe,tiny-qwen3 on a CPU)")
+    s.add_argument("--layers", type=int, default=None, help="decoder layers (default: each model's real depth)")
+    s.add_argument("--batches", default="1,16,64,256", help="decode batch sizes per GPU (default 1,16,64,256)")
+    s.add_argument("--model-batches", default=None, help="per-model batches, e.g. 'qwen3-30b-a3b=64,256;"
+                   "olmoe-1b-7b=1,16' (overrides --batches for those models)")
+    s.add_argument("--implementations", default=",".join(IMPLEMENTATIONS_HELP), help="comma-separated among "
+                   + ", ".join(IMPLEMENTATIONS_HELP))
+    s.add_argument("--experts", default=None, help="moekit experts kinds: fused (bf16), fused_fp8, torch "
+                   "(default fused,fused_fp8 on GPUs, torch on a CPU)")
+    s.add_argument("--modes", default=None, help="eager,compiled (default both on GPUs, eager on a CPU)")
+    s.add_argument("--compiled-batches", default=None, help="batch sizes that also run compiled (default: all)")
+    s.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per sequence (default 16)")
+    s.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of the decode rows (default 64)")
+    s.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of the prefill rows (default 2048)")
+    s.add_argument("--prefill-batch", type=int, default=1, help="sequences per GPU of the prefill rows (0: none)")
+    s.add_argument("--repeats", type=int, default=2, help="timed runs per row (median)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    s.add_argument("--checkpoint-dir", default="/tmp/moekit-serve-checkpoints", help="where the transformers "
+                   "options' checkpoint is written once and reused (not under --out-dir: it is the model's size)")
+    s.add_argument("--cpu", action="store_true", help="run on the CPU (gloo); the default without CUDA")
+    s.add_argument("--timeout", type=float, default=1800.0, help="seconds a rank may wait for the others")
+    s.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"records go to OUT_DIR/lm-serve-<device>-<n>x/ "
+                   f"(default {DEFAULT_OUT_DIR}/)")
+    s.set_defaults(func=run_serve_bench)

@@ -47,6 +47,11 @@ through the whole model (attention replicated, data parallel) and its experts
 number of times (for ``generate()``: the same ``max_new_tokens`` with
 ``min_new_tokens`` equal to it, so no rank stops early).
 
+A model built for one rank of several (:func:`moekit.integrations.lm.build_expert_parallel`)
+holds only that rank's experts: its experts modules carry a ``moekit_shard`` saying which, and
+patch runs them as this rank's experts (the dispatcher must be of that rank and world size).
+Such a model runs only patched: transformers' own experts would need all of them.
+
 Supported: transformers >= 5.0 (the release that introduced the experts extension point)
 and the blocks in :data:`SUPPORTED_BLOCKS`. Any other MoE block raises ``ValueError``
 naming its type; so does a model with no MoE block.
@@ -118,6 +123,8 @@ class _Backend:
     built_from: tuple = ()  # (storage pointers, dtype, device) of the weights the compute was built on
 
     def local_slice(self, experts: nn.Module) -> slice:
+        if getattr(experts, "moekit_shard", None) is not None:  # the module holds this rank's experts only
+            return slice(0, experts.gate_up_proj.shape[0])
         E_local = experts.gate_up_proj.shape[0] // self.world_size
         return slice(self.rank * E_local, (self.rank + 1) * E_local)
 
@@ -360,9 +367,11 @@ def patch(model: nn.Module, experts: str = "torch", dispatcher=None, *, kernel_c
     found = moe_blocks(model)
     for name, block in found:
         _check_experts_layout(name, block)
-    num_experts = found[0][1].experts.gate_up_proj.shape[0]
+    num_experts = _total_experts(found[0][1].experts)
     hidden, top_k = found[0][1].experts.gate_up_proj.shape[2], _top_k(found[0][1])
     dispatcher, rank, world_size = _resolve_dispatcher(dispatcher, num_experts, hidden, top_k)
+    for name, block in found:
+        _check_shard(name, block.experts, rank, world_size)
     plans = [(name, block, _choose_method(block, method)) for name, block in found]
 
     patched = []
@@ -449,10 +458,30 @@ def routing_taps(model: nn.Module) -> list[RoutingTap]:
 
 def num_routed_experts(model: nn.Module) -> int:
     """E, the routed experts per MoE block (the same in every block of the supported models)."""
-    return int(moe_blocks(model)[0][1].experts.gate_up_proj.shape[0])
+    return _total_experts(moe_blocks(model)[0][1].experts)
 
 
 # -------------------------------------------------------------------------- internals
+
+
+def _total_experts(experts: nn.Module) -> int:
+    """E of an experts module: its ``moekit_shard`` says so when it holds one rank's experts only
+    (:func:`moekit.integrations.lm.build_expert_parallel`), else its stacked weights."""
+    shard = getattr(experts, "moekit_shard", None)
+    return int(shard.num_experts if shard is not None else experts.gate_up_proj.shape[0])
+
+
+def _check_shard(name: str, experts: nn.Module, rank: int, world_size: int) -> None:
+    """A module holding one rank's experts runs only under a dispatcher of that rank and world size."""
+    shard = getattr(experts, "moekit_shard", None)
+    if shard is None:
+        return
+    if (shard.rank, shard.world_size) != (rank, world_size):
+        raise ValueError(f"the experts of {name or 'the model'} are rank {shard.rank}'s of {shard.world_size} "
+                         f"(built for expert parallelism); the dispatcher is rank {rank} of {world_size}")
+    if experts.gate_up_proj.shape[0] * world_size != shard.num_experts:
+        raise ValueError(f"the experts of {name or 'the model'} hold {experts.gate_up_proj.shape[0]} experts; rank "
+                         f"{rank} of {world_size} owns {shard.num_experts // world_size}")
 
 
 def _top_k(block: nn.Module) -> int:
