@@ -3,11 +3,11 @@
 import statistics
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from moekit.bench.timing import time_distributed
-from moekit.ep import launch
 
 WORLD = 2
 SLOW_RANK_SLEEP_S = 0.003
@@ -35,8 +35,10 @@ def _rank_main(rank: int, world_size: int) -> dict:
     return results
 
 
-def test_time_distributed_gloo_two_ranks():
-    results = launch(_rank_main, WORLD, backend="gloo")
+# One launch, shared with the other 2-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda: (_rank_main,), world_size=WORLD)
+def test_time_distributed_gloo_two_ranks(pooled_launch):
+    results = pooled_launch()
     assert results[0] == results[1]  # every rank returns the same gathered numbers
     sleep_us = SLOW_RANK_SLEEP_S * 1e6
 

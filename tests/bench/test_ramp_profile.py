@@ -69,12 +69,25 @@ def test_spec_validation():
         pf.ProfileSpec(shape="olmoe-1b-7b", prune=0.9)
 
 
-@pytest.mark.parametrize("family", ["token", "expert_major"])
-def test_profile_writes_a_model_that_loads(tmp_path, family):
+# The token-family profile that two tests read (each profile times its configs in the interpreter: seconds).
+TOKEN_SPEC = dict(experts=4, top_k=2, hidden=64, intermediate=32, m_values=(1, 12), betas=(1.0, 0.5), iters=1,
+                  config_stride=25)
+
+
+@pytest.fixture(scope="module")
+def token_profile(tmp_path_factory):
     pytest.importorskip("triton")
-    spec = pf.ProfileSpec(experts=4, top_k=2, hidden=64, intermediate=32, family=family, capacity=8,
-                          m_values=(1, 12), betas=(1.0, 0.5), iters=1, config_stride=25)
-    rec = pf.profile(spec, tmp_path, log=lambda s: None)
+    return pf.profile(pf.ProfileSpec(**TOKEN_SPEC), tmp_path_factory.mktemp("token-profile"), log=lambda s: None)
+
+
+@pytest.mark.parametrize("family", ["token", "expert_major"])
+def test_profile_writes_a_model_that_loads(tmp_path, family, request):
+    pytest.importorskip("triton")
+    if family == "token":
+        rec = request.getfixturevalue("token_profile")
+    else:
+        spec = pf.ProfileSpec(**(TOKEN_SPEC | dict(family=family, capacity=8)))
+        rec = pf.profile(spec, tmp_path, log=lambda s: None)
     shape = MoEShape("x", 4, 2, 64, 32)
     model, meta = load_model(rec["model_file"], shape=shape, dtype="bf16", family=family)
     t, tmeta = pf.load_timings(rec["timings_file"])
@@ -171,11 +184,9 @@ def test_shortlist_keeps_the_configs_near_a_best_and_those_never_measured():
         pf.ProfileSpec(shape="olmoe-1b-7b", shortlist_factor=0.5)
 
 
-def test_profile_times_only_the_shortlist_of_an_earlier_measurement(tmp_path):
-    pytest.importorskip("triton")
-    spec = dict(experts=4, top_k=2, hidden=64, intermediate=32, m_values=(1, 12), betas=(1.0, 0.5), iters=1,
-                config_stride=25)
-    first = pf.profile(pf.ProfileSpec(**spec), tmp_path / "a", log=lambda s: None)
+def test_profile_times_only_the_shortlist_of_an_earlier_measurement(tmp_path, token_profile):
+    spec = TOKEN_SPEC
+    first = token_profile
     ref, _ = pf.load_timings(first["timings_file"])
     want = pf.shortlist_configs(ref.configs, ref, 1.05)
     assert 0 < len(want) < len(ref.configs)

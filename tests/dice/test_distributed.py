@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moekit.dice import ScheduledMoE, SchedulePlan, StalenessSimulator, make_executor, sample
-from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, launch
+from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll
 from tests.dice.cases import CASES, CFG_SCALE, CONFIG, STEPS, global_batch, rank_slice, tiny_model
 
 WORLDS = {2: [3, 1], 4: [1, 2, 0, 1]}  # samples per rank; 4 in all, one rank empty
@@ -60,10 +60,12 @@ def _row_rank(sizes: list[int]) -> torch.Tensor:
     return torch.cat([sample_rank, sample_rank]).repeat_interleave(CONFIG.tokens_per_image)
 
 
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda world_size: (_worker, WORLDS[world_size], list(CASES)))
 @pytest.mark.parametrize("world_size", sorted(WORLDS))
-def test_schedules_match_the_simulator_bitwise(world_size, one_thread):
+def test_schedules_match_the_simulator_bitwise(world_size, one_thread, pooled_launch):
     sizes = WORLDS[world_size]
-    results = launch(_worker, world_size, sizes, list(CASES), backend="gloo")
+    results = pooled_launch()
     model = tiny_model()
     weights = model.moe_weights()
     noise, labels = global_batch(sizes)

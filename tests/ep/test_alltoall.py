@@ -1,17 +1,20 @@
-"""AllToAllDispatcher on 2 and 4 gloo ranks: received rows, the handle, the identity round trip
-and a combine of position-dependent fake experts, all checked bitwise against loop references."""
+"""AllToAllDispatcher on 2, 4 and 8 gloo ranks: received rows, the handle, the identity round trip
+and a combine of position-dependent fake experts, all checked bitwise against loop references.
+
+Every case of ``CASES`` runs at every world size; the seeds (fresh draws of the same case) are
+fewer on more ranks, where each one costs the most."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moekit.ep import AllToAllDispatcher, launch
+from moekit.ep import AllToAllDispatcher
 from moekit.ep.reference import expected_dispatch
 from moekit.moe.reference import reference_slot_sum
 from tests.ep.cases import CASES, build_case, expected_combine, fake_experts
 
-SEEDS = (0, 1, 2)
+SEEDS = {2: (0, 1, 2), 4: (0, 1), 8: (0,)}  # per world size
 
 
 def _dispatch_worker(rank, world_size, cases):
@@ -48,12 +51,16 @@ def _check(world_size, results, cases):
             assert torch.equal(got["y_fake"], want_fake[rank]), (name, seed, rank)
 
 
+def _cases(world_size):
+    cases = [(name, seed, torch.float32) for name in CASES for seed in SEEDS[world_size]]
+    return cases + [("uniform", 7, torch.bfloat16), ("masked", 8, torch.bfloat16)]
+
+
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda world_size: (_dispatch_worker, _cases(world_size)))
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_dispatch_combine_bitwise(world_size):
-    cases = [(name, seed, torch.float32) for name in CASES for seed in SEEDS]
-    cases += [("uniform", 7, torch.bfloat16), ("masked", 8, torch.bfloat16)]
-    results = launch(_dispatch_worker, world_size, cases, backend="gloo")
-    _check(world_size, results, cases)
+def test_dispatch_combine_bitwise(world_size, pooled_launch):
+    _check(world_size, pooled_launch(), _cases(world_size))
 
 
 def test_single_process_matches_reference():

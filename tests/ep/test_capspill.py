@@ -1,9 +1,11 @@
-"""MaxCounts and Cap-and-Spill against the eager all-to-all: bitwise, on 2 and 4 gloo ranks.
+"""MaxCounts and Cap-and-Spill against the eager all-to-all: bitwise, on 2, 4 and 8 gloo ranks.
 
 Every rank rebuilds the same routing steps from a seed (``capspill_steps``), so a worker
 needs only the world size. One launch per world size runs all steps through every
 dispatcher and compares each with ``AllToAllDispatcher`` in place, returning the
 mismatches (none expected) and what happened (spill passes run or skipped, overflow).
+On the gloo ranks the steps are fewer than the GPU tests' ``NUM_STEPS`` (``GLOO_STEPS``):
+every routing kind still comes several times (twice on 8 ranks), in both dtypes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ except ImportError:  # tests/gpu imports the helpers below on machines that may 
     given = None
 
 import moekit.ep.capspill as capspill
-from moekit.ep import AllToAllDispatcher, Dispatcher, launch
+from moekit.ep import AllToAllDispatcher, Dispatcher
 from moekit.ep.capacity import expert_capacity, spill_capacity
 from moekit.ep.capspill import CapacityOverflowError, CapAndSpillDispatcher, MaxCountsDispatcher
 from moekit.ep.reference import expected_dispatch
@@ -28,7 +30,10 @@ from moekit.moe.reference import reference_slot_sum
 from tests.ep.cases import skewed_ids, uniform_ids
 
 T_MAX, K, H = 9, 2, 12
-NUM_STEPS = 60
+NUM_STEPS = 60  # the GPU tests' steps (tests/gpu/test_capspill_graph.py, test_combine_order_gpu.py)
+# Steps per world size on the gloo ranks: KINDS repeat every 8 steps and bf16 comes every 5th,
+# so 24 steps run each kind 3 times (16: twice) and bf16 on 4 (3) kinds.
+GLOO_STEPS = {2: 24, 4: 24, 8: 16}
 KINDS = ["uniform", "skewed", "one_peer", "masked", "full", "one_expert_repeat", "tail_masked", "empty"]
 CAPACITIES = [0, 1, 3, T_MAX * K, 40]  # 40 > T_max * K: no spill pass at all
 
@@ -112,8 +117,8 @@ def make_dispatchers(world_size: int, tight_cmax: int) -> dict:
     return out
 
 
-def _equality_worker(rank, world_size):
-    steps = capspill_steps(world_size)
+def _equality_worker(rank, world_size, num_steps=NUM_STEPS):
+    steps = capspill_steps(world_size, num_steps)
     E = num_experts(world_size)
     eager = AllToAllDispatcher(E)
     dispatchers = make_dispatchers(world_size, largest_pair_count(steps, world_size))
@@ -166,10 +171,12 @@ def _overflow_checks(rank, world_size):
     return out
 
 
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda world_size: (_equality_worker, GLOO_STEPS[world_size]))
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_bitwise_equal_to_eager(world_size):
-    results = launch(_equality_worker, world_size, backend="gloo")
-    steps = capspill_steps(world_size)
+def test_bitwise_equal_to_eager(world_size, pooled_launch):
+    results = pooled_launch()
+    steps = capspill_steps(world_size, GLOO_STEPS[world_size])
     for rank, result in enumerate(results):
         assert result["mismatches"] == [], result["mismatches"][:10]
         ran = result["spill_ran"]
@@ -224,7 +231,7 @@ def _single_rank_case(T, E, K_, C, masked, conditional, seed):
 
 
 if given is not None:
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=30, deadline=None)
     @given(T=st.integers(0, 7), E=st.integers(1, 6), K_=st.integers(1, 3), C=st.integers(0, 25),
            masked=st.floats(0, 1), conditional=st.booleans(), seed=st.integers(0, 2**16))
     def test_single_rank_matches_eager(T, E, K_, C, masked, conditional, seed):

@@ -17,7 +17,6 @@ from moekit.ep import (AllToAllDispatcher, CapAndSpillDispatcher, EPLowLatencyAl
                        weighted_rank_sum, weighted_slot_sum)
 from moekit.moe.reference import reference_rank_sum
 from tests.ep.cases import build_case
-from tests.ep.deadline import run_ranks
 from tests.ep.test_dispatcher_contract import case_dtype, check_step, dispatchers
 
 
@@ -111,9 +110,11 @@ def _rows_on_the_wire(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_rank_order_ships_one_row_per_token_and_rank():
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda: (_rows_on_the_wire,), world_size=2, deadline=300, timeout=60)
+def test_rank_order_ships_one_row_per_token_and_rank(pooled_launch):
     P = 2
-    results, _ = run_ranks(_rows_on_the_wire, P)
+    results = pooled_launch()
     xs, ids, ws, E = build_case("skewed", P, 4)
     for r, got in enumerate(results):
         # Counted here from the routing of every source: pairs and (token, rank) groups sent back by rank r.
@@ -144,8 +145,9 @@ def _contract_on_8_ranks(rank: int, world_size: int) -> dict:
     return dict(failures=failures, compared=compared)
 
 
-def test_every_dispatcher_in_rank_order_on_8_ranks():
-    results, _ = run_ranks(_contract_on_8_ranks, 8, deadline=600)
+@pytest.mark.ranks(lambda: (_contract_on_8_ranks,), world_size=8, deadline=600, timeout=60)
+def test_every_dispatcher_in_rank_order_on_8_ranks(pooled_launch):
+    results = pooled_launch()
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:8]}"
         assert result["compared"] == 4 * (4 + 2)

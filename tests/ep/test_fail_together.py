@@ -1,6 +1,7 @@
 """Ranks fail together, on 2 and 4 gloo ranks, for every dispatcher.
 
-One launch per world size runs every recoverable scenario on the same objects:
+One launch per world size (shared with the other multi-rank tests: tests/rank_pool.py) runs
+every recoverable scenario on the same objects:
 
 * configuration: one rank builds a dispatcher with another E, H, K, max tokens, dtype,
   capacity, mode, combine order or receive capacity, or a bad argument, or another class:
@@ -14,8 +15,8 @@ One launch per world size runs every recoverable scenario on the same objects:
 * the CUDA-graph path (capture stood in for on the CPU): bad ids on one rank are masked and
   flagged on the device, and ``check_replay`` raises the same error on every rank.
 
-A bad ``expert_out`` on one rank in combine (wrong shape, H, dtype, not a tensor) runs in its
-own launch: every rank raises the same ValueError in that combine, none waits for its
+A bad ``expert_out`` on one rank in combine (wrong shape, H, dtype, not a tensor) runs as a
+job of its own: every rank raises the same ValueError in that combine, none waits for its
 timeout, and the next step pairs up; with the statuses not readable for free (CUDA, stood in
 for on the CPU) the bad rank raises at once and every rank at the next dispatch.
 
@@ -316,9 +317,12 @@ def _recoverable_worker(rank, world_size):
     return dict(messages=messages, failures=failures, checks=checks)
 
 
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py): every
+# scenario here leaves the group in step (that is what it tests).
+@pytest.mark.ranks(lambda: (_recoverable_worker,), deadline=600, timeout=60)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_rank_raises_the_same_error_and_stays_in_step(world_size):
-    results, _ = run_ranks(_recoverable_worker, world_size, deadline=600)
+def test_every_rank_raises_the_same_error_and_stays_in_step(world_size, pooled_launch):
+    results = pooled_launch()
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:6]}"
     checks = results[0]["checks"]
@@ -414,8 +418,9 @@ def _bad_expert_out_worker(rank, world_size):
     return dict(messages=messages, failures=failures, checks=checks, longest_wait=max(waits))
 
 
-def test_a_bad_expert_out_on_one_rank_fails_every_rank_in_the_same_combine():
-    results, _ = run_ranks(_bad_expert_out_worker, 2, deadline=400)
+@pytest.mark.ranks(lambda: (_bad_expert_out_worker,), world_size=2, deadline=400, timeout=60)
+def test_a_bad_expert_out_on_one_rank_fails_every_rank_in_the_same_combine(pooled_launch):
+    results = pooled_launch()
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:6]}"
     checks = results[0]["checks"]

@@ -84,15 +84,14 @@ def _bad_input_worker(rank, world_size, problem):
     return message, int(ok.counts.sum())
 
 
+# One launch, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda problem: (_bad_input_worker, problem), world_size=2)
 @pytest.mark.parametrize("problem, match", [("ids", r"rank 1: topk_ids must be in \[-1, 7\]"),
                                             ("tokens", r"rank 1: x has T=7 tokens; this dispatcher allows T in \[0, 6\]")])
-def test_bad_input_on_one_rank_raises_on_every_rank(problem, match):
+def test_bad_input_on_one_rank_raises_on_every_rank(problem, match, pooled_launch):
     import re
 
-    from moekit.ep import launch
-
-    results = launch(_bad_input_worker, 2, problem, backend="gloo")
-    for message, received in results:
+    for message, received in pooled_launch():
         assert message is not None and re.search(match, message), message
         assert received > 0
 

@@ -232,10 +232,10 @@ def _expert_parallel_rank(rank: int, world_size: int, arch: str):
     return (got - want).abs().max().item(), want.abs().max().item(), local
 
 
-def test_expert_parallel_two_ranks():
+# One launch, shared with the other 2-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda: (_expert_parallel_rank, "qwen2_moe"), world_size=2)
+def test_expert_parallel_two_ranks(pooled_launch):
     """Each of 2 gloo ranks holds half the experts and runs its own batch; logits match one process."""
-    from moekit.ep import launch
-
-    for diff, scale, local in launch(_expert_parallel_rank, 2, "qwen2_moe"):
+    for diff, scale, local in pooled_launch():
         assert local == 4
         assert diff <= ATOL + RTOL * scale

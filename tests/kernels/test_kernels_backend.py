@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,22 @@ def _run_as_cpu_user(env_changes: dict, prelude: str = "") -> subprocess.Complet
                           timeout=600)
 
 
-def test_a_cpu_user_gets_a_working_interpreter_run_and_one_note():
-    run = _run_as_cpu_user({})
+# The three runs below, started side by side when the first of them is asked for (each is a fresh
+# interpreter importing torch, Triton and moekit: seconds of start-up, mostly on one core).
+RUNS = {"cpu user": ({}, ""), "TRITON_INTERPRET=0": ({"TRITON_INTERPRET": "0"}, ""),
+        "triton imported first": ({}, "import triton\n")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    pool = ThreadPoolExecutor(max_workers=len(RUNS))
+    futures = {name: pool.submit(_run_as_cpu_user, *how) for name, how in RUNS.items()}
+    yield {name: future.result for name, future in futures.items()}
+    pool.shutdown(wait=True)
+
+
+def test_a_cpu_user_gets_a_working_interpreter_run_and_one_note(runs):
+    run = runs["cpu user"]()
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines[0] == "TRITON_INTERPRET 1"
@@ -90,11 +105,9 @@ def test_a_cpu_user_gets_a_working_interpreter_run_and_one_note():
 
 
 @pytest.mark.parametrize("how", ["TRITON_INTERPRET=0", "triton imported first"])
-def test_kernels_set_up_for_the_gpu_refuse_cpu_tensors_in_one_line(how):
-    if how == "TRITON_INTERPRET=0":
-        run = _run_as_cpu_user({"TRITON_INTERPRET": "0"})
-    else:  # too late to turn the interpreter on: Triton's own helpers are set up for the GPU
-        run = _run_as_cpu_user({}, prelude="import triton\n")
+def test_kernels_set_up_for_the_gpu_refuse_cpu_tensors_in_one_line(how, runs):
+    # "triton imported first": too late to turn the interpreter on, Triton's own helpers are set up for the GPU
+    run = runs[how]()
     assert run.returncode == 3, run.stderr[-2000:]
     error = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
     assert len(error) == 1 and "x is on cpu" in error[0] and "TRITON_INTERPRET=1" in error[0]

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from moekit.ep import launch  # noqa: E402
 from moekit.fp8 import calc_diff, dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups  # noqa: E402
 from moekit.kernels import KernelConfig  # noqa: E402
 from moekit.moe import FusedExperts, MoELayer, MoEWeights, SwiGLUExperts, expert_mlp, reference_moe  # noqa: E402
@@ -145,10 +144,12 @@ def _layer_worker(rank, world_size, kind, fp8_wire):
     return dict(x=x, y=y, ids=ids, w=w)
 
 
+# One launch, shared with the other 2-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda kind, fp8_wire: (_layer_worker, kind, fp8_wire), world_size=2)
 @pytest.mark.parametrize("kind,fp8_wire", [("fused", False), ("fused_fp8", True)],
                          ids=["fused-alltoall", "fused_fp8-lowlatency_fp8"])
-def test_layer_with_fused_experts_matches_float64(kind, fp8_wire):
-    results = launch(_layer_worker, 2, kind, fp8_wire, backend="gloo")
+def test_layer_with_fused_experts_matches_float64(kind, fp8_wire, pooled_launch):
+    results = pooled_launch()
     shape = LAYER_SHAPES[kind]
     weights = MoEWeights.random(shape, seed=21)
     if kind == "fused_fp8":  # the reference gets the weights as the W8A8 kernel sees them

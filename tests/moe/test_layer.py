@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.ep import launch
 from moekit.moe import MoELayer, MoEWeights, TopKRouter, reference_moe, reference_routing
 from moekit.shapes import MoEShape
 
@@ -31,11 +30,12 @@ def _layer_worker(rank, world_size, shape, tokens_per_rank):
     return dict(x=x, y=layer(x), ids=ids, w=w)
 
 
+# The launches of this file are shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda world_size, shape: (_layer_worker, shape, [17, 0, 9, 30][:world_size]))
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_layer_matches_float64_reference(world_size, shape):
-    tokens = [17, 0, 9, 30][:world_size]
-    results = launch(_layer_worker, world_size, shape, tokens, backend="gloo")
+def test_layer_matches_float64_reference(world_size, shape, pooled_launch):
+    results = pooled_launch()
     weights = MoEWeights.random(shape, seed=11).to(torch.float64)
     for r in results:
         ref = reference_moe(r["x"], weights, r["ids"], r["w"])
@@ -77,12 +77,13 @@ def _fp8_wire_worker(rank, world_size, tokens_per_rank):
     return dict(x=x, y=y, ids=ids, w=w)
 
 
-def test_layer_with_an_fp8_dispatcher_dequantizes_the_tokens():
+@pytest.mark.ranks(lambda: (_fp8_wire_worker, [FP8_MAX_M, 7]), world_size=2)
+def test_layer_with_an_fp8_dispatcher_dequantizes_the_tokens(pooled_launch):
     """The low-latency layer sends e4m3 tokens + group scales; the torch experts must apply the
     scales. Reference: the float64 block on the tokens as quantized by the wire."""
     from moekit.fp8 import dequantize_groups, quantize_groups
 
-    results = launch(_fp8_wire_worker, 2, [FP8_MAX_M, 7], backend="gloo")
+    results = pooled_launch()
     weights = MoEWeights.random(FP8_SHAPE, seed=12).to(torch.float64)
     for r in results:
         xq = dequantize_groups(*quantize_groups(r["x"], FP8_GROUP))
@@ -131,9 +132,10 @@ def _order_worker(rank, world_size, tokens_per_rank):
     return out
 
 
+@pytest.mark.ranks(lambda world_size: (_order_worker, [23, 0, 17, 30][:world_size]))
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_layer_in_both_combine_orders(world_size):
-    results = launch(_order_worker, world_size, [23, 0, 17, 30][:world_size], backend="gloo")
+def test_layer_in_both_combine_orders(world_size, pooled_launch):
+    results = pooled_launch()
     weights = MoEWeights.random(BF16_SHAPE, seed=13, dtype=torch.bfloat16).to(torch.float64)
     differ = 0
     for r in results:

@@ -25,8 +25,9 @@ SHAPE = MoEShape("sel", num_experts=24, top_k=4, hidden=512, intermediate=256)
 def _loop_argmin(model, counts, M):
     """The plain Python reference: every config's predicted time, the first least."""
     best, arg = np.inf, None
+    pred = model.predict(counts, M)  # every config's time (once: it is the same for every i)
     for i in range(len(model.configs)):
-        v = model.predict(counts, M)[i]
+        v = pred[i]
         if np.isfinite(v) and v < best:
             best, arg = v, i
     return arg, best

@@ -69,6 +69,7 @@ PAPER_TABLE2 = [
 PAPER_PHASES_US = {"maxcounts": {"pack": 848.0}, "capspill": {"pack": 553.0}}  # Figure 3's quoted numbers
 
 SERIES = ("dispatch", "round_trip")
+PACKINGS = ("auto", "triton", "torch")  # see MaxCountsDispatcher.uses_kernels
 
 
 # Sizes by device. On the CPU (gloo) every iteration is a barrier and a real exchange of
@@ -98,6 +99,7 @@ class CapSpillBenchConfig:
     phase_steps: int | None = None  # steps in the per-phase breakdown
     verify_steps: int | None = None  # steps checked bitwise against eager
     seed: int = 0
+    packing: str = "auto"  # the fixed-buffer dispatchers' phases: "auto" (kernels on GPUs), "triton", "torch"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "hidden", "steps", "iters", "trace_steps", "trace_layers"):
@@ -111,6 +113,8 @@ class CapSpillBenchConfig:
         for q in (self.quantile, *self.sweep):
             if not 0.0 <= q <= 1.0:
                 raise ValueError(f"quantiles must be in [0, 1], got {q}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {list(PACKINGS)}, got {self.packing!r}")
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"dtype must name a torch dtype (e.g. bfloat16), got {self.dtype!r}")
 
@@ -248,32 +252,41 @@ def _conditional_method(name, dispatcher, inputs, on_cuda) -> _Method:
                    lambda: branches[last["spill"]].outputs(), state=last)
 
 
+def _packed(dispatcher, packing: str):
+    """``dispatcher`` with its phases' implementation set (``packing``: see ``uses_kernels``)."""
+    dispatcher.packing = packing
+    return dispatcher
+
+
 def _methods(plan: _Plan, inputs: _Inputs, on_cuda: bool) -> dict[str, _Method]:
     E, K, T = plan.num_experts, plan.top_k, plan.max_tokens
-    H = plan.cfg.hidden
+    H, packing = plan.cfg.hidden, plan.cfg.packing
     methods = {
         "eager": _fixed_method("eager", AllToAllDispatcher(E, hidden=H, top_k=K, max_tokens=T), inputs, on_cuda,
                                graph=False),
-        "maxcounts": _fixed_method("maxcounts", MaxCountsDispatcher(E, plan.cmax, T, top_k=K, hidden=H), inputs,
-                                   on_cuda),
+        "maxcounts": _fixed_method("maxcounts", _packed(MaxCountsDispatcher(E, plan.cmax, T, top_k=K, hidden=H),
+                                                        packing), inputs, on_cuda),
     }
     for q, C in plan.capacities.items():
         methods[f"capspill q={q:g}"] = _fixed_method(
-            f"capspill q={q:g}", CapAndSpillDispatcher(E, C, T, top_k=K, hidden=H), inputs, on_cuda)
+            f"capspill q={q:g}", _packed(CapAndSpillDispatcher(E, C, T, top_k=K, hidden=H), packing), inputs, on_cuda)
     C = plan.capacities[plan.cfg.quantile]
     methods["capspill-cond"] = _conditional_method(
-        "capspill-cond", CapAndSpillDispatcher(E, C, T, top_k=K, hidden=H, conditional=True), inputs, on_cuda)
+        "capspill-cond", _packed(CapAndSpillDispatcher(E, C, T, top_k=K, hidden=H, conditional=True), packing),
+        inputs, on_cuda)
     return methods
 
 
 def _phases(dispatcher, inputs: _Inputs, on_cuda: bool) -> dict[str, Callable[[], None]]:
-    """The dispatch as separately captured phases, chained through a dict of their outputs."""
+    """The dispatch as separately captured phases, chained through a dict of their outputs.
+
+    "pack" is the plan and pass 1's buffer (one launch where the dispatcher uses its kernels),
+    "compact" the spill pass's buffer, "unpack" the expert-major result."""
     st: dict = {}
     two_pass = getattr(dispatcher, "spill_rows", 0) > 0
 
     def pack():
-        st["plan"] = dispatcher.plan(inputs.ids, inputs.w)
-        st["send"] = dispatcher.pack(inputs.x, st["plan"])
+        st["plan"], st["send"] = dispatcher.plan_and_pack(inputs.x, inputs.ids, inputs.w)
 
     def exchange():
         st["recv"] = dispatcher.exchange(st["send"])
@@ -316,10 +329,12 @@ def _bench_rank(rank: int, world_size: int, plan: _Plan) -> dict | None:
     inputs = _Inputs(rank, plan, device, dtype)
     inputs.write(0)
     methods = _methods(plan, inputs, on_cuda)
-    phase_dispatchers = {"maxcounts": MaxCountsDispatcher(plan.num_experts, plan.cmax, plan.max_tokens,
-                                                          top_k=plan.top_k, hidden=cfg.hidden),
-                         "capspill": CapAndSpillDispatcher(plan.num_experts, plan.capacities[cfg.quantile],
-                                                           plan.max_tokens, top_k=plan.top_k, hidden=cfg.hidden)}
+    phase_dispatchers = {"maxcounts": _packed(MaxCountsDispatcher(plan.num_experts, plan.cmax, plan.max_tokens,
+                                                                  top_k=plan.top_k, hidden=cfg.hidden), cfg.packing),
+                         "capspill": _packed(CapAndSpillDispatcher(plan.num_experts, plan.capacities[cfg.quantile],
+                                                                   plan.max_tokens, top_k=plan.top_k,
+                                                                   hidden=cfg.hidden), cfg.packing)}
+    kernels = phase_dispatchers["maxcounts"].uses_kernels(inputs.x)
     phases = {name: _phases(d, inputs, on_cuda) for name, d in phase_dispatchers.items()}
 
     samples = {name: {s: [] for s in SERIES} for name in methods}
@@ -355,7 +370,7 @@ def _bench_rank(rank: int, world_size: int, plan: _Plan) -> dict | None:
         return None
     return dict(samples=samples, phases=phase_samples, verified=verified, mismatched=mismatched,
                 cond_spilled=cond_spilled, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                graphs=on_cuda)
+                graphs=on_cuda, kernels=kernels)
 
 
 # --------------------------------------------------------------------------------- driver
@@ -388,6 +403,7 @@ def run_capspill_bench(cfg: CapSpillBenchConfig, *, trace: RoutingTrace | None =
     results = _results(plan, measured, calibrations, top, counts, step_counts, graphs=measured["graphs"])
     params = asdict(cfg) | dict(
         backend=backend, device=measured["device"], dtype=measured["dtype"], cuda_graphs=measured["graphs"],
+        phase_kernels=measured["kernels"],
         trace=dict(name=trace.name, steps=trace.num_steps, layers=trace.num_layers, tokens=trace.num_tokens,
                    top_k=trace.top_k, num_experts=trace.num_experts, metadata=trace.metadata),
         max_tokens=plan.max_tokens, experts_per_rank=trace.num_experts // P, cmax=plan.cmax,
@@ -514,7 +530,8 @@ def format_capspill_bench(record: dict) -> str:
         "paper:",
         format_table(PAPER_TABLE2, ["setting", "C", "mean", "p99", "overflow_pct", "gap_recovery_pct"]),
         "",
-        "Per-phase breakdown (µs, median; on a GPU each phase is replayed as its own graph)",
+        "Per-phase breakdown (µs, median; on a GPU each phase is replayed as its own graph; phases: "
+        + ("one Triton kernel each (moekit.ep.capspill_pack)" if p.get("phase_kernels") else "torch ops") + ")",
         format_table(_phase_rows(r["phases"]), ["method", *_phase_names(r["phases"]), "sum"]),
         "",
         "bitwise equal to eager: " + ", ".join(
@@ -622,6 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"steps checked bitwise against eager, >= 0 {by_device('verify_steps')}")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the inputs and weights, >= 0 (default %(default)s)")
+    p.add_argument("--packing", default=d.packing, choices=list(PACKINGS),
+                   help="the fixed-buffer dispatchers' pack / compact / unpack: one Triton kernel each "
+                        "('triton'; 'auto' = on GPUs) or the torch phases ('torch', the baseline) "
+                        "(default %(default)s)")
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                    help="where the JSON record and figures go (default %(default)s)")
     p.add_argument("--no-record", action="store_true", help="write no record or figures")
@@ -633,7 +654,7 @@ def config_from_args(args) -> CapSpillBenchConfig:
                                quantile=args.quantile, sweep=tuple(args.sweep), trace_path=args.trace,
                                trace_steps=args.trace_steps, trace_layers=args.trace_layers, steps=args.steps,
                                iters=args.iters, warmup=args.warmup, phase_steps=args.phase_steps,
-                               verify_steps=args.verify_steps, seed=args.seed)
+                               verify_steps=args.verify_steps, seed=args.seed, packing=args.packing)
 
 
 def main(argv: list[str] | None = None) -> int:

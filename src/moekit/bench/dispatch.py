@@ -14,6 +14,18 @@ named ``"... [rank]"``), or ``"both"`` (both timed in one run). The record also 
 rows and bytes each rank's combine sends in each order (the rank order returns one row per
 (token, rank) instead of one per slot).
 
+The floor: the same ranks also time a bare ``dist.all_to_all_single`` of the same bytes with
+the same splits, in both directions (the dispatch's rows out, the combine's rows back),
+aligned and taken per iteration the same way. ``results["nccl_floor"]`` holds it (``median``
+of the two back to back, in µs, and each direction's summary; ``"nccl_floor [rank]"`` for the
+rank order, whose combine sends fewer rows), and ``results["vs_floor"]`` the ratio of our
+dispatch + combine median to it: how far the dispatcher is from the wire. Our rows carry 16
+bytes of metadata more than the floor's (token, slot, group, weight), under 0.2% at H = 7168.
+
+Bandwidth: the bytes each rank sends in dispatch plus those it sends back in combine over
+the dispatch + combine median, in GB/s per rank (``results["gbps_per_rank"]``), printed
+beside DeepEP's normal-mode figures (:data:`DEEPEP_NORMAL_GBPS`).
+
 The JSON record (``moekit.bench.report.write_record``) holds the environment (device,
 GPU count, versions, commit), the parameters, and the summary of every series.
 """
@@ -26,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from itertools import cycle
 
 import torch
+import torch.distributed as dist
 
 from moekit.bench.report import DEFAULT_OUT_DIR, format_table, write_record
 from moekit.bench.stats import summarize
@@ -35,6 +48,14 @@ from moekit.routing import synthetic_routing
 from moekit.shapes import get_shape
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher}
+
+# DeepEP's normal (high-throughput) kernels, intranode, 8 ranks over NVLink on H800, as its
+# README's "Normal kernels with NVLink and RDMA forwarding" table gives them (bandwidth per
+# rank, the bottleneck link's): dispatch 153 GB/s (FP8 rows), combine 158 GB/s (BF16 rows).
+# A reference point to read ours against, not a measurement of this machine.
+DEEPEP_NORMAL_GBPS = {"dispatch": 153.0, "combine": 158.0,
+                      "source": "DeepEP README, normal kernels, intranode EP=8, H800 NVLink"}
+FLOOR_PHASES = ("dispatch", "combine", "dispatch+combine")
 COMBINE_ORDER_CHOICES = ("slot", "rank", "both")
 PHASES = ("dispatch", "combine", "dispatch+combine")
 
@@ -123,6 +144,11 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         combine_rows = [d.handle.state["combine_rows"] for d in dispatched]
         out[series_key("combine_rows_mean", order)] = sum(combine_rows) / len(combine_rows)
+        for phase, times in _time_floor(dispatched, order, shape.hidden, dtype, device, cfg).items():
+            out[series_key(f"floor {phase}", order)] = times
+            if rank == 0:
+                print(f"[bench dispatch] bare all-to-all, {series_key(phase, order)}: done", file=sys.stderr,
+                      flush=True)
     rows_sent = [sum(d.handle.state["send_splits"]) for d in dispatched]
     rows_remote = [sum(d.handle.state["send_splits"]) - d.handle.state["send_splits"][rank] for d in dispatched]
     out["rows_sent_mean"] = sum(rows_sent) / len(rows_sent)
@@ -131,6 +157,46 @@ def _bench_rank(rank: int, world_size: int, cfg: DispatchBenchConfig) -> dict:
     out["device"] = str(device)
     out["dtype"] = str(dtype).removeprefix("torch.")
     return out
+
+
+def _time_floor(dispatched: list, order: str, hidden: int, dtype: torch.dtype, device: torch.device,
+                cfg: DispatchBenchConfig) -> dict[str, list[float]]:
+    """The bare ``all_to_all_single`` of each pooled step's rows, with its splits: dispatch's
+    (rows out), combine's (rows back: one per (token, slot), or per (token, rank) in the rank
+    order), and the two back to back; samples of the slowest rank, µs."""
+    steps = []
+    for d in dispatched:
+        st = d.handle.state
+        send, recv = st["send_splits"], st["recv_splits"]
+        back_out, back_in = (st["partial_splits"], st["return_splits"]) if order == "rank" else (recv, send)
+
+        def rows(n):
+            return torch.randn(sum(n), hidden, device=device).to(dtype)
+
+        steps.append(((rows(recv), rows(send), recv, send), (rows(back_in), rows(back_out), back_in, back_out)))
+    pool = cycle(steps)
+
+    def exchange(out, inp, out_splits, in_splits):
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+
+    def both():
+        go, back = next(pool)
+        exchange(*go)
+        exchange(*back)
+
+    fns = {"dispatch": lambda: exchange(*next(pool)[0]), "combine": lambda: exchange(*next(pool)[1]),
+           "dispatch+combine": both}
+    return {phase: time_distributed(fn, iters=cfg.iters, warmup=cfg.warmup).max_us for phase, fn in fns.items()}
+
+
+def floor_summary(ours: dict, floor: dict, dispatch_bytes: float, combine_bytes: float) -> dict:
+    """``nccl_floor``: the bare all-to-all's dispatch + combine summary (``median`` etc., µs),
+    each direction's, the bytes, and the bandwidth it reaches per rank."""
+    both = floor["dispatch+combine"]
+    total = dispatch_bytes + combine_bytes
+    return dict(both, dispatch=floor["dispatch"], combine=floor["combine"], bytes_per_rank=total,
+                gbps_per_rank=total / both["median"] / 1e3 if both["median"] > 0 else float("nan"),
+                what="dist.all_to_all_single of the same rows with the same splits, dispatch then combine")
 
 
 def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = DEFAULT_OUT_DIR) -> dict:
@@ -164,6 +230,15 @@ def run_dispatch_bench(cfg: DispatchBenchConfig, *, out_dir: str | None = DEFAUL
         results[series_key("combine_rows_per_rank_mean", order)] = rows
         results[series_key("combine_bytes_per_rank_mean", order)] = rows * first["bytes_per_row"]
     results["rows_sent_per_rank_mean"] = sum(r["rows_sent_mean"] for r in ranks) / len(ranks)
+    dispatch_bytes = results["rows_sent_per_rank_mean"] * first["bytes_per_row"]
+    for order in cfg.orders:  # the bare all-to-all of the same bytes, and how far we are from it
+        floor = {phase: summarize(first[series_key(f"floor {phase}", order)]) for phase in FLOOR_PHASES}
+        combine_bytes = results[series_key("combine_bytes_per_rank_mean", order)]
+        results[series_key("nccl_floor", order)] = floor_summary(results, floor, dispatch_bytes, combine_bytes)
+        ours = results[series_key("dispatch+combine", order)]["median"]
+        results[series_key("vs_floor", order)] = ours / floor["dispatch+combine"]["median"]
+        results[series_key("gbps_per_rank", order)] = (dispatch_bytes + combine_bytes) / ours / 1e3
+    results["deepep_normal_gbps_reference"] = DEEPEP_NORMAL_GBPS
     results["bytes_sent_per_rank_mean"] = results["rows_sent_per_rank_mean"] * first["bytes_per_row"]
     # Rows a rank sends to itself never cross the link: the bytes that do are these.
     results["bytes_to_other_ranks_mean"] = (sum(r["rows_remote_mean"] for r in ranks) / len(ranks)
@@ -196,6 +271,26 @@ def format_dispatch_bench(record: dict) -> str:
     rows = [{"phase": series_key(k, order), **{c: r[series_key(k, order)][c]
                                                for c in ("median", "p95", "p99", "mean", "min")}}
             for order in orders for k in PHASES]
+    for order in orders:
+        floor = r.get(series_key("nccl_floor", order))
+        if floor is None:
+            continue
+        rows += [{"phase": series_key(f"bare all-to-all {k}", order), **{c: (floor if k == "dispatch+combine"
+                                                                             else floor[k])[c]
+                                                                         for c in ("median", "p95", "p99", "mean",
+                                                                                   "min")}}
+                 for k in FLOOR_PHASES]
     table = format_table(rows, ["phase", "median", "p95", "p99", "mean", "min"])
+    for order in orders:
+        floor = r.get(series_key("nccl_floor", order))
+        if floor is None:
+            continue
+        ref = r.get("deepep_normal_gbps_reference", DEEPEP_NORMAL_GBPS)
+        table += (f"\n{order} order: dispatch+combine {r[series_key('dispatch+combine', order)]['median']:.1f} µs vs "
+                  f"the bare all-to-all of the same bytes {floor['median']:.1f} µs: "
+                  f"{r[series_key('vs_floor', order)]:.2f}x the floor (goal: at most 3x); "
+                  f"{r[series_key('gbps_per_rank', order)]:.2f} GB/s per rank (floor {floor['gbps_per_rank']:.2f}; "
+                  f"DeepEP normal mode {ref['dispatch']:.0f}/{ref['combine']:.0f} GB/s dispatch/combine, "
+                  f"{ref['source']})")
     tail = f"\n(µs, slowest rank per iteration){chr(10) + 'record: ' + record['path'] if 'path' in record else ''}"
     return head + table + tail

@@ -84,7 +84,11 @@ def register(sub) -> None:
     from moekit.shapes import PRESETS
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    bd = b.add_parser("dispatch", help="dispatch/combine latency across local ranks")
+    bd = b.add_parser("dispatch", help="dispatch/combine latency across local ranks, against the bare all-to-all",
+                      description="Time the dispatcher's dispatch, combine and both on local ranks, and the bare "
+                                  "all_to_all_single of the same bytes with the same splits (the floor, both "
+                                  "directions): prints ours vs the floor and GB/s per rank beside DeepEP's "
+                                  "normal-mode figures; the record holds results.nccl_floor.")
     bd.add_argument("--dispatcher", default="alltoall", choices=DISPATCHERS,
                     help="the dispatcher to time: %(choices)s (default %(default)s)")
     bd.add_argument("--shape", default="deepseek-v3", choices=sorted(PRESETS), metavar="SHAPE",

@@ -264,6 +264,20 @@ def expert_out_problem(expert_out: Any, tokens: torch.Tensor, name: str = "[E_lo
     return None
 
 
+def checked_expert_out(expert_out: Any, tokens: torch.Tensor, *, alone: bool,
+                       name: str = "[E_local, capacity, H]") -> tuple[torch.Tensor, str | None]:
+    """Combine's check of ``expert_out`` (:func:`expert_out_problem`): ``(expert_out, None)`` when
+    it is fine. Otherwise ValueError at once when the rank is ``alone`` (no peer waits for it,
+    or nothing can be exchanged, as inside a CUDA graph's capture), else ``(NaN rows shaped like
+    tokens, the problem)``: the rank still sends its part, and the problem travels in its status."""
+    problem = expert_out_problem(expert_out, tokens, name)
+    if problem is None:
+        return expert_out, None
+    if alone:
+        raise ValueError(problem)
+    return torch.full_like(tokens, float("nan")), problem
+
+
 def status_rows(words: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """A status's ``STATUS_WORDS`` int64 ``words`` as raw bytes in as many rows of
     ``row_bytes`` bytes as it takes (zero-padded), to travel in front of rows of that width."""

@@ -57,9 +57,13 @@ All steps are vectorized torch with fixed shapes (no loop over tokens or peers, 
 and replayed after writing new routing into the same input tensors. Inputs may carry
 fewer than T_max tokens, or rows of -1 ids (masked), as a fixed-shape buffer does.
 
-The phases are public (:meth:`plan`, :meth:`pack`, :meth:`compact`, :meth:`exchange`,
-:meth:`unpack`) so a benchmark can time them one by one; :meth:`dispatch` is just their
-composition.
+On CUDA tensors the phases run as one Triton launch each (:mod:`moekit.ep.capspill_pack`:
+plan + pack, compact, unpack, and the slot-order combine's send and sum), writing the same
+bytes as the torch phases; ``packing`` (an attribute) picks the path (:meth:`uses_kernels`).
+
+The phases are public (:meth:`plan_and_pack` or :meth:`plan` then :meth:`pack`,
+:meth:`compact`, :meth:`exchange`, :meth:`unpack`) so a benchmark can time them one by one;
+:meth:`dispatch` is just their composition.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.ep.agreement import (MAX_COUNT, StepCheck, agree_on_config, expert_out_problem, raise_for_flagged_ranks,
+from moekit.ep.agreement import (MAX_COUNT, StepCheck, agree_on_config, checked_expert_out, raise_for_flagged_ranks,
                                   status_rows, statuses_from_rows)
 from moekit.ep.capacity import expert_capacity, pair_bound, spill_capacity
 from moekit.ep.checks import check_bool, check_int, check_optional_int, is_int
@@ -147,6 +151,7 @@ class _FixedBufferDispatcher(PlacedExperts):
     _capacity_name = "capacity"
     _min_capacity = 0
     _spills = False
+    packing = "auto"  # "auto" | "triton" | "torch": see uses_kernels
 
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  group: dist.ProcessGroup | None = None, hidden: int | None = None,
@@ -227,14 +232,52 @@ class _FixedBufferDispatcher(PlacedExperts):
             max_count=rank_counts.max().to(torch.int32), num_tokens=T,
         )
 
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the phases run as the one-launch Triton kernels of :mod:`moekit.ep.capspill_pack`.
+
+        ``packing`` (an attribute, ``"auto"`` by default, settable after construction since
+        it changes no result): ``"auto"`` uses the kernels on CUDA tensors and the torch
+        phases elsewhere (gloo on the CPU); ``"triton"`` always uses the kernels (on the CPU
+        they need ``TRITON_INTERPRET=1``); ``"torch"`` never does. Both give the same bytes.
+        """
+        if self.packing == "torch":
+            return False
+        return self.packing == "triton" or (x.is_cuda and _have_triton())
+
+    def plan_and_pack(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                      ) -> tuple[FixedPlan, torch.Tensor]:
+        """:meth:`plan` and pass 1's :meth:`pack` together: one kernel launch where
+        :meth:`uses_kernels`, else the torch phases. ``x`` as :meth:`pack` takes it (T >= 1 rows)."""
+        if not self.uses_kernels(x):
+            plan = self.plan(topk_ids, topk_weights)
+            return plan, self.pack(x, plan)
+        from moekit.ep import capspill_pack
+
+        T = topk_ids.shape[0]
+        ids, weights = topk_ids, topk_weights
+        if T == 0:  # one masked row, as plan() does
+            ids = topk_ids.new_full((1, self.top_k), -1)
+            weights = topk_weights.new_zeros(1, self.top_k)
+        buf, f = capspill_pack.plan_and_pack(x, ids, weights, world_size=self.world_size,
+                                             num_experts=self.num_experts, rows=self.capacity,
+                                             header_bytes=self.header_bytes)
+        return FixedPlan(num_tokens=T, **f), buf
+
     def pack(self, x: torch.Tensor, plan: FixedPlan, first: int = 0, rows: int | None = None) -> torch.Tensor:
         """Send buffer ``[P, rows, header + H * itemsize]`` (bytes) for stream positions [first, first + rows).
 
         Row p of peer j holds the pair at position ``first + p`` of the stream to j, or an
-        empty row (expert -1) past the end of it. A gather: each buffer row looks up its
-        pair, so the work is proportional to the buffer, with no scatter collisions.
+        empty row (expert -1, zero payload) past the end of it. A gather: each buffer row
+        looks up its pair, so the work is proportional to the buffer, with no scatter
+        collisions. Where :meth:`uses_kernels`, one kernel launch writes the same bytes.
         """
         rows = self.capacity if rows is None else rows
+        if self.uses_kernels(x):
+            from moekit.ep import capspill_pack
+
+            return capspill_pack.plan_and_pack(x, None, None, world_size=self.world_size,
+                                               num_experts=self.num_experts, rows=rows,
+                                               header_bytes=self.header_bytes, first=first, plan=plan)[0]
         P, K = self.world_size, plan.top_k
         position = torch.arange(first, first + rows, device=x.device)
         filled = position.unsqueeze(0) < plan.rank_counts.unsqueeze(1)  # [P, rows]
@@ -246,9 +289,11 @@ class _FixedBufferDispatcher(PlacedExperts):
         words = [torch.where(filled, f, -1) for f in fields] + [status.expand(P, rows)]
         if self.header_bytes == RANK_ORDER_HEADER_BYTES:  # the pair's weight, as float32 bits
             weight = plan.weights.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)[pair]
+            weight = torch.where(filled, weight, 0)
             words += [weight] + [torch.zeros_like(weight)] * 3
         header = torch.stack(words, dim=-1).to(torch.int32)
-        payload = _row_bytes(x).index_select(0, token.reshape(-1))
+        # Empty rows carry zeros (their bytes are never read; zeros keep the wire deterministic).
+        payload = torch.where(filled.reshape(-1, 1), _row_bytes(x).index_select(0, token.reshape(-1)), 0)
         row = torch.cat([header.view(torch.uint8).reshape(P * rows, self.header_bytes), payload], 1)
         return row.view(P, rows, self.header_bytes + payload.shape[1])
 
@@ -275,6 +320,8 @@ class _FixedBufferDispatcher(PlacedExperts):
         """
         P, E_local, cap = self.world_size, self.experts_per_rank, self.expert_capacity
         H, dtype, device = x.shape[1], x.dtype, x.device
+        if self.uses_kernels(x):
+            return self._unpack_kernel(plan, received, x)
         header = torch.cat([r[..., :self.header_bytes].contiguous().view(torch.int32) for r in received], 1).long()
         rows = header.shape[1]  # C, or C + S with the spill pass
         expert = header[..., _EXPERT]
@@ -317,6 +364,24 @@ class _FixedBufferDispatcher(PlacedExperts):
         return Dispatched(tokens[:spare].view(E_local, cap, H), per_source.sum(0),
                           DispatchHandle(src_rank, src_token, src_slot, state))
 
+    def _unpack_kernel(self, plan: FixedPlan, received: list[torch.Tensor], x: torch.Tensor) -> Dispatched:
+        """:meth:`unpack` as one kernel launch (:func:`moekit.ep.capspill_pack.unpack`): the same tensors."""
+        from moekit.ep import capspill_pack
+
+        E_local, cap = self.experts_per_rank, self.expert_capacity
+        by_rank = self.combine_order == "rank"
+        out = capspill_pack.unpack(received, dtype=x.dtype, hidden=x.shape[1], header_bytes=self.header_bytes,
+                                   world_size=self.world_size, experts_per_rank=E_local, cap=cap, rank=self.rank,
+                                   max_count=plan.max_count, invalid=plan.invalid, rank_order=by_rank)
+        state = dict(plan=plan, dest=out["dest"], pass_rows=[r.shape[1] for r in received],
+                     largest_count=out["largest_count"], overflow=out["overflow"], invalid_ids=out["invalid_ids"],
+                     invalid_by_rank=out["invalid_by_rank"])
+        if by_rank:
+            state.update(row_weight=out["row_weight"], row_token=out["row_token"], src_rank=out["src_rank"],
+                         src_token=out["src_token"], src_slot=out["src_slot"])
+        view = [out[k].view(E_local, cap) for k in ("src_rank", "src_token", "src_slot")]
+        return Dispatched(out["tokens"], out["counts"], DispatchHandle(*view, state))
+
     def _largest_count(self, plan: FixedPlan, header: torch.Tensor) -> torch.Tensor:
         """The largest per-peer count of any rank this step (every row carries its sender's).
 
@@ -352,25 +417,26 @@ class _FixedBufferDispatcher(PlacedExperts):
             # masked by plan() and flagged to every rank in the headers (see check_replay).
             validate_routing(x, topk_ids, topk_weights, self.num_experts, hidden=self.hidden, top_k=self.top_k,
                              max_tokens=self.max_tokens, dtype=self.dtype, check_ids=False)
-            plan = self.plan(topk_ids, topk_weights)
-            return self._run_passes(x, plan, spill=bool(spill))
+            x = _send_rows(x)
+            plan, first_pass = self.plan_and_pack(x, topk_ids, topk_weights)
+            return self._run_passes(x, plan, first_pass, spill=bool(spill))
         status = self.step.inspect(x, topk_ids, topk_weights)
-        plan = self.plan(topk_ids, topk_weights) if status.ok else None
-        if plan is not None:
+        plan = first_pass = None
+        if status.ok:  # pass 1 is packed with the plan (one launch with the kernels), before the step is settled
+            x = _send_rows(x)
+            plan, first_pass = self.plan_and_pack(x, topk_ids, topk_weights)
             status.words[MAX_COUNT] = plan.max_count
         numeric = self.step.settle_gathered(self.peers.all_gather(status.words, what="step status exchange"))
         largest = max(words[MAX_COUNT] for words in numeric)
         self._before_exchange(largest)
-        return self._run_passes(x, plan, spill=largest > self.capacity if spill is None else spill)
+        return self._run_passes(x, plan, first_pass, spill=largest > self.capacity if spill is None else spill)
 
     def _before_exchange(self, largest: int) -> None:
         """Eager mode, after every rank's status: the largest per-peer count of any rank."""
 
-    def _run_passes(self, x: torch.Tensor, plan: FixedPlan, spill: bool) -> Dispatched:
-        x = x.contiguous()
-        if x.shape[0] == 0:
-            x = x.new_zeros(1, x.shape[1])
-        received = [self.exchange(self.pack(x, plan))]
+    def _run_passes(self, x: torch.Tensor, plan: FixedPlan, first_pass: torch.Tensor, spill: bool) -> Dispatched:
+        """``x`` from :func:`_send_rows`; ``first_pass`` = pass 1's send buffer."""
+        received = [self.exchange(first_pass)]
         if spill and self.spill_rows > 0:
             received.append(self.exchange(self.compact(x, plan)))
         return self.unpack(plan, received, x)
@@ -409,15 +475,9 @@ class _FixedBufferDispatcher(PlacedExperts):
         state = dispatched.handle.state
         E_local, cap = self.experts_per_rank, self.expert_capacity
         tokens = dispatched.tokens
-        problem = expert_out_problem(expert_out, tokens)
-        status = None
-        if self.world_size == 1 or _capturing(tokens):  # no peer to tell, or nothing can be read
-            if problem is not None:
-                raise ValueError(problem)
-        else:
-            status = self.step.problem_status(problem, tokens.device)
-            if problem is not None:  # still take part, with rows nobody will use
-                expert_out = torch.full_like(tokens, float("nan"))
+        alone = self.world_size == 1 or _capturing(tokens)  # no peer to tell, or nothing can be read
+        expert_out, problem = checked_expert_out(expert_out, tokens, alone=alone)
+        status = None if alone else self.step.problem_status(problem, tokens.device)
         plan: FixedPlan = state["plan"]
         P, H = self.world_size, expert_out.shape[2]
         flat = expert_out.reshape(E_local * cap, H)
@@ -426,15 +486,20 @@ class _FixedBufferDispatcher(PlacedExperts):
             partials = self._partials(expert_out, state)
             token_of_row = state["row_token"].clamp(min=0)
             source = torch.arange(P, device=flat.device).unsqueeze(1)
-        slot_out = expert_out.new_zeros(plan.ids.numel(), H)
+        kernels = not by_rank and self.uses_kernels(flat)  # one launch per pass out, one for the sum
+        if kernels:
+            from moekit.ep import capspill_pack
+        slot_out = None if kernels else expert_out.new_zeros(plan.ids.numel(), H)
         # Which slots a pass returned: only the rank order needs it (to place one partial per rank).
         taken = torch.zeros(plan.ids.numel(), dtype=torch.bool, device=flat.device) if by_rank else None
-        first, statuses = 0, None
+        first, statuses, returned_passes = 0, None, []
         for rows in state["pass_rows"]:
             if rows or (status is not None and statuses is None):
                 if by_rank:
                     index = source * self.max_tokens + token_of_row[:, first:first + rows]
                     back = partials.index_select(0, index.reshape(-1))
+                elif kernels:
+                    back = capspill_pack.gather_back(flat, state["dest"], first, rows)
                 else:
                     # Empty rows point at the spare row past the end: send any real row
                     # instead, its owner never reads it.
@@ -444,12 +509,16 @@ class _FixedBufferDispatcher(PlacedExperts):
                     returned, statuses = self._exchange_with_status(back.view(P, rows, H), status)
                 else:
                     returned = self.exchange(back.view(P, rows, H))
-                if rows:
+                if rows and kernels:
+                    returned_passes.append((returned, first))
+                elif rows:
                     slot_out, taken = self._take_returned(slot_out, taken, returned, plan, first)
             first += rows
         if statuses is not None:  # after every pass: the peers run them all before they decide
             self.step.settle_combine(statuses, problem)
         T, K = plan.ids.shape
+        if kernels:
+            return capspill_pack.combine_slots(returned_passes, plan, P, expert_out.dtype, H)
         if by_rank:
             y = self._sum_returned_partials(slot_out, taken, plan, expert_out.dtype)
         else:
@@ -613,6 +682,18 @@ class CapAndSpillDispatcher(_FixedBufferDispatcher):
         counts = torch.zeros(P + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, dest, torch.ones_like(dest))
         flag = (counts[:P] > self.capacity).any().to(torch.int32).reshape(1)
         return self.peers.all_reduce_max(flag, what="spill flag all-reduce")
+
+
+def _send_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the packers read it: contiguous, with one zero row when T = 0 (a gather needs a row)."""
+    x = x.contiguous()
+    return x.new_zeros(1, x.shape[1]) if x.shape[0] == 0 else x
+
+
+def _have_triton() -> bool:
+    from moekit.kernels.backend import HAVE_TRITON
+
+    return HAVE_TRITON
 
 
 def _row_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -56,12 +56,13 @@ def expected_rows(ids: list[torch.Tensor], num_experts: int, rank: int) -> list[
     """Per local expert of ``rank``: [(src_rank, src_token, first_slot, slot_bits)] in (source, token) order."""
     P = len(ids)
     per_rank = num_experts // P
+    ids = [i.tolist() for i in ids]  # plain ints: reading a tensor element by element is slow
     rows: list[list[tuple[int, int, int, int]]] = [[] for _ in range(per_rank)]
     for e in range(per_rank):
         g = rank * per_rank + e
         for s in range(P):
-            for t in range(ids[s].shape[0]):
-                slots = [k for k in range(ids[s].shape[1]) if int(ids[s][t, k]) == g]
+            for t in range(len(ids[s])):
+                slots = [k for k in range(len(ids[s][t])) if ids[s][t][k] == g]
                 if slots:
                     rows[e].append((s, t, slots[0], sum(1 << k for k in slots)))
     return rows

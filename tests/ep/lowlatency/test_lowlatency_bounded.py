@@ -20,7 +20,6 @@ import torch
 
 from moekit.ep import EPLowLatencyAllToAll
 from moekit.ep.lowlatency.layout import LowLatencyLayout, window_tokens
-from tests.ep.deadline import run_ranks
 from tests.ep.lowlatency.reference import (KINDS, check_dispatch, expected_combine, fake_expert_outputs, meta_to_host,
                                           routing_steps)
 
@@ -95,9 +94,11 @@ def _worker(rank: int, world_size: int) -> dict:
     return dict(failures=failures, rounds=sorted(rounds_seen), compared=compared)
 
 
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda: (_worker,), deadline=900, timeout=60)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bounded_equals_worst_case_layout(world_size):
-    results, _ = run_ranks(_worker, world_size, deadline=900)
+def test_bounded_equals_worst_case_layout(world_size, pooled_launch):
+    results = pooled_launch()
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:8]}"
         assert result["compared"] == 2 * len(MODES) * len(BOUNDS) * (len(KINDS) + 4)

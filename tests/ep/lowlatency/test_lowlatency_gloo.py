@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll, launch
+from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll
 from moekit.ep.lowlatency.layout import bits_view
 from tests.ep.lowlatency.reference import (KINDS, check_dispatch, expected_combine, fake_expert_outputs, meta_to_host,
                                           routing_steps)
@@ -30,6 +30,9 @@ def sizes(world_size: int) -> dict:
     return dict(max_m=6, num_experts=4 * world_size) if world_size == 2 else dict(max_m=5, num_experts=3 * world_size)
 
 
+STEPS = {2: 2 * len(KINDS), 4: len(KINDS), 8: len(KINDS)}  # routing steps per world size
+
+
 def _steps(world_size: int, num_steps: int):
     s = sizes(world_size)
     return routing_steps(world_size, num_steps, max_m=s["max_m"], num_experts=s["num_experts"], topk=K, hidden=H,
@@ -39,7 +42,9 @@ def _steps(world_size: int, num_steps: int):
 def _worker(rank: int, world_size: int, num_steps: int) -> dict:
     s = sizes(world_size)
     E, M = s["num_experts"], s["max_m"]
-    layers = {name: EPLowLatencyAllToAll(M, H, K, E, fp8_group_size=GROUP, dtype=dtype, online_fp8=fp8)
+    # buffer_slot=None: a buffer per layer, so that each layer's receive buffers alternate on their own
+    layers = {name: EPLowLatencyAllToAll(M, H, K, E, fp8_group_size=GROUP, dtype=dtype, online_fp8=fp8,
+                                         buffer_slot=None)
               for name, (dtype, fp8) in MODES.items()}
     eager = AllToAllDispatcher(E)
     failures: list[str] = []
@@ -98,9 +103,11 @@ def _compare_with_eager(eager, d, y, x, ids, ws, rank, dtype, where) -> list[str
     return bad
 
 
-@pytest.mark.parametrize("world_size,num_steps", [(2, 2 * len(KINDS)), (4, len(KINDS)), (8, len(KINDS))])
-def test_matches_reference_on_gloo(world_size, num_steps):
-    results = launch(_worker, world_size, num_steps, backend="gloo")
+# One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
+@pytest.mark.ranks(lambda world_size: (_worker, STEPS[world_size]))
+@pytest.mark.parametrize("world_size,num_steps", sorted(STEPS.items()))
+def test_matches_reference_on_gloo(world_size, num_steps, pooled_launch):
+    results = pooled_launch()
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:8]}"
         for name, ptrs in result["pointers"].items():
