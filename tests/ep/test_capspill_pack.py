@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (no effect where a GPU runs it)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():  # Triton's interpreter, set before the kernels are decorated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moekit.ep.capacity import expert_capacity, spill_capacity  # noqa: E402
 from moekit.ep.capspill import CapAndSpillDispatcher, MaxCountsDispatcher  # noqa: E402
