@@ -27,7 +27,7 @@ def test_capspill_bench_record(tmp_path):
     assert p["cmax"] == calibrate_capacity(trace, 1.0, 2).capacity
     assert p["capacities"]["0.99"] == calibrate_capacity(trace, 0.99, 2).capacity
     assert p["max_tokens"] == 172 and p["backend"] == "gloo" and not p["cuda_graphs"]
-    assert p["packing"] == "auto" and p["phase_kernels"] is False  # "auto": the torch phases on CPU tensors
+    assert p["packing"] == "torch" and p["phase_kernels"] is False  # the default: the torch phases
 
     methods = {"eager", "maxcounts", "capspill-cond"} | {f"capspill q={q:g}" for q in cfg.sweep}
     assert set(r["summaries"]) == methods

@@ -99,7 +99,7 @@ class CapSpillBenchConfig:
     phase_steps: int | None = None  # steps in the per-phase breakdown
     verify_steps: int | None = None  # steps checked bitwise against eager
     seed: int = 0
-    packing: str = "auto"  # the fixed-buffer dispatchers' phases: "auto" (kernels on GPUs), "triton", "torch"
+    packing: str = "torch"  # the fixed-buffer dispatchers' phases: "torch", "auto" (kernels on GPUs), "triton"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "hidden", "steps", "iters", "trace_steps", "trace_layers"):

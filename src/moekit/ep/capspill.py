@@ -57,9 +57,10 @@ All steps are vectorized torch with fixed shapes (no loop over tokens or peers, 
 and replayed after writing new routing into the same input tensors. Inputs may carry
 fewer than T_max tokens, or rows of -1 ids (masked), as a fixed-shape buffer does.
 
-On CUDA tensors the phases run as one Triton launch each (:mod:`moekit.ep.capspill_pack`:
-plan + pack, compact, unpack, and the slot-order combine's send and sum), writing the same
-bytes as the torch phases; ``packing`` (an attribute) picks the path (:meth:`uses_kernels`).
+With ``packing="auto"`` the phases run on CUDA tensors as one Triton launch each
+(:mod:`moekit.ep.capspill_pack`: plan + pack, compact, unpack, and the slot-order combine's
+send and sum), writing the same bytes as the torch phases; ``packing`` (an attribute, torch by
+default) picks the path (:meth:`uses_kernels`).
 
 The phases are public (:meth:`plan_and_pack` or :meth:`plan` then :meth:`pack`,
 :meth:`compact`, :meth:`exchange`, :meth:`unpack`) so a benchmark can time them one by one;
@@ -151,7 +152,7 @@ class _FixedBufferDispatcher(PlacedExperts):
     _capacity_name = "capacity"
     _min_capacity = 0
     _spills = False
-    packing = "auto"  # "auto" | "triton" | "torch": see uses_kernels
+    packing = "torch"  # "torch" | "auto" | "triton": see uses_kernels
 
     def __init__(self, num_experts: int, capacity: int, max_tokens: int, *, top_k: int,
                  group: dist.ProcessGroup | None = None, hidden: int | None = None,
@@ -235,10 +236,11 @@ class _FixedBufferDispatcher(PlacedExperts):
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the phases run as the one-launch Triton kernels of :mod:`moekit.ep.capspill_pack`.
 
-        ``packing`` (an attribute, ``"auto"`` by default, settable after construction since
-        it changes no result): ``"auto"`` uses the kernels on CUDA tensors and the torch
-        phases elsewhere (gloo on the CPU); ``"triton"`` always uses the kernels (on the CPU
-        they need ``TRITON_INTERPRET=1``); ``"torch"`` never does. Both give the same bytes.
+        ``packing`` (an attribute, settable after construction since it changes no result):
+        ``"torch"`` (the default) never uses them; ``"auto"`` uses the kernels on CUDA tensors
+        and the torch phases elsewhere (gloo on the CPU); ``"triton"`` always uses the kernels
+        (on the CPU they need ``TRITON_INTERPRET=1``). Both give the same bytes. The kernels
+        are opt-in until their own GPU tests pass (docs/capspill.md, "One kernel per phase").
         """
         if self.packing == "torch":
             return False
