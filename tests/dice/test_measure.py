@@ -203,12 +203,12 @@ def test_gpu_overlap_is_the_transfer_time_beside_the_main_threads_kernels(seed):
         events.append(dict(ph="X", cat="kernel", name=name, ts=start, dur=dur, tid=7 if kind == "main" else 9,
                            args=dict(correlation=corr, stream=7 if kind == "main" else 9)))
         (transfer if kind == "nccl" else compute if kind == "main" else []).append((start, start + dur))
-    # the main thread launches the most kernels
+    # the main thread launches the most kernels, and its stream's non-transfer kernels run longest
     for corr in range(60, 100):
         events.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=0, dur=1, tid=11,
                            args=dict(correlation=corr)))
-        events.append(dict(ph="X", cat="kernel", name="elementwise", ts=2000, dur=1, tid=7,
-                           args=dict(correlation=corr)))
+        events.append(dict(ph="X", cat="kernel", name="elementwise", ts=2000, dur=50, tid=7,
+                           args=dict(correlation=corr, stream=7)))
     out = trace_overlap(dict(traceEvents=events))
     t, c = _covered(transfer, 3000), _covered(compute, 3000)
     assert out["kind"] == "gpu"

@@ -278,7 +278,11 @@ def _bench_main(rank: int, world_size: int, cfg: LowLatencyBenchConfig, run_peer
                 held["d"] = layer.dispatch(bank.x, bank.ids, bank.w)
 
             def c(layer=layer, expert_out=expert_out, held=held):
-                held["y"] = layer.combine(expert_out, held["d"])
+                # The captured combine is replayed in alternation with the captured dispatch:
+                # it needs no synchronization with the peers against a second combine in a row
+                # (the eager warm-ups before the capture do come in a row, and keep it).
+                capturing = on_cuda and torch.cuda.is_current_stream_capturing()
+                held["y"] = layer.combine(expert_out, held["d"], follows_dispatch=True if capturing else None)
 
             d_run = _graphed(d, on_cuda)
             d_run()  # the captured dispatch's outputs are real before combine is captured on them
@@ -756,7 +760,64 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mixtral-steps", type=int, default=200,
                    help="steps of the synthetic Mixtral trace (moekit trace generate) to add, 0 for none "
                         "(default %(default)s)")
+    m = p.add_argument_group("memory report (--memory: nothing is timed)")
+    m.add_argument("--memory", action="store_true",
+                   help="print the bytes per rank the model's low-latency layers allocate with a buffer per layer "
+                        "and with the one shared buffer (moekit.ep.lowlatency.pool), instead of timing; uses "
+                        "--shape, --world-size, --hidden, --top-k, --num-experts, --bf16-wire, --combine-order, "
+                        "--recv-capacity")
+    m.add_argument("--layers", type=int, default=None,
+                   help="low-latency layers of the model, >= 1 (default: the shape's MoE layers)")
+    m.add_argument("--memory-max-m", type=int, nargs="+", default=[128],
+                   help="tokens per rank per call (the layers' max_m), each >= 1 (default %(default)s)")
+    m.add_argument("--slots", type=int, default=1,
+                   help="shared buffers (one per stream that runs exchanges at the same time), >= 1 "
+                        "(default %(default)s)")
     return p
+
+
+def run_memory_report(args) -> dict:
+    """The ``--memory`` report: per ``max_m``, the bytes per rank of ``--layers`` layers at the
+    shape, a buffer each against one shared buffer per slot (:func:`moekit.ep.lowlatency.pool.buffer_report`)."""
+    from moekit.ep.lowlatency.layout import LowLatencyLayout
+    from moekit.ep.lowlatency.pool import buffer_report
+
+    s = get_shape(args.shape)
+    layers = args.layers if args.layers is not None else s.num_layers
+    for flag, values in (("--layers", [layers]), ("--memory-max-m", args.memory_max_m), ("--slots", [args.slots]),
+                         ("--world-size", [args.world_size])):
+        if any(not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{flag} must be >= 1, got {values}")
+    H = args.hidden or s.hidden
+    K = args.top_k or s.top_k
+    E = args.num_experts or s.num_experts
+    order = "slot" if args.combine_order == "both" else args.combine_order
+    rows, lines = [], []
+    gib = 2 ** 30
+    lines.append(f"{'shape':<16} {'EP':>3} {'max_m':>6} {'layers':>6} {'slots':>5} {'symm/layer GiB':>15} "
+                 f"{'shared symm GiB':>16} {'local GiB':>10} {'before GiB':>11} {'after GiB':>10}")
+    for max_m in args.memory_max_m:
+        cap = args.recv_capacity if args.recv_capacity is not None and args.recv_capacity < max_m else None
+        layout = LowLatencyLayout(max_m=max_m, hidden=H, topk=K, num_experts=E, rank=0, world_size=args.world_size,
+                                  local_world_size=args.world_size, dtype=torch.bfloat16,
+                                  online_fp8=not args.bf16_wire, combine_order=order, recv_capacity=cap)
+        report = buffer_report([layout] * layers, slots=args.slots)
+        rows.append(dict(shape=args.shape, world_size=args.world_size, max_m=max_m, hidden=H, top_k=K,
+                         num_experts=E, online_fp8=not args.bf16_wire, combine_order=order, **report))
+        lines.append(f"{args.shape:<16} {args.world_size:>3} {max_m:>6} {layers:>6} {args.slots:>5} "
+                     f"{report['symm_per_layer'] / layers / gib:>15.3f} {report['symm_shared'] / gib:>16.3f} "
+                     f"{report['local'] / gib:>10.2f} {report['per_layer'] / gib:>11.2f} "
+                     f"{report['shared'] / gib:>10.2f}")
+    lines.append("before: a symmetric buffer per layer + what each layer keeps (local: its expert-major result, "
+                 "meta and combine output); after: one shared symmetric buffer per slot + the same local part; "
+                 "the experts' output (the caller's) is not counted")
+    record = {"params": dict(shape=args.shape, world_size=args.world_size, layers=layers, slots=args.slots,
+                             max_m=list(args.memory_max_m), device="cpu (computed, nothing allocated)"),
+              "results": {"rows": rows}, "text": "\n".join(lines)}
+    if not args.no_record:
+        record["path"] = str(write_record("lowlatency-memory", record["params"], record["results"],
+                                          out_dir=args.out_dir))
+    return record
 
 
 def config_from_args(args) -> LowLatencyBenchConfig:
@@ -816,6 +877,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.no_record:
         check_output_dir(args.out_dir, "--out-dir")
+    if args.memory:
+        record = run_memory_report(args)
+        print(record["text"] + (f"\nrecord: {record['path']}" if "path" in record else ""))
+        return 0
     if args.buffers:
         record = run_buffer_report(args)
         print(record["text"] + (f"\nrecord: {record['path']}" if "path" in record else ""))

@@ -268,6 +268,10 @@ def _names(text: str, name: str) -> tuple[str, ...]:
     return names
 
 
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
+
+
 def run_step(args) -> int:
     from dataclasses import asdict
 
@@ -287,7 +291,10 @@ def run_step(args) -> int:
         warmup=args.warmup if args.warmup is not None else defaults["warmup"],
         world_size=args.world_size, device=device, dtype=args.dtype or defaults["dtype"],
         experts=args.experts or defaults["experts"], depth=args.depth, cfg=args.cfg, seed=args.seed,
-        headroom_gib=args.headroom_gib, trace_dir=args.trace, trace_steps=args.trace_steps).check()
+        headroom_gib=args.headroom_gib, trace_dir=args.trace, trace_steps=args.trace_steps, executor=args.executor,
+        capacity_factor=None if args.capacity_factor == 0 else args.capacity_factor, comm_sms=args.comm_sms,
+        trace_schedules=_names(args.trace_schedules, "trace-schedules") if args.trace_schedules else None,
+        stale_packing=args.stale_packing).check()
     spec = resolve_trace_case(spec)
     if not (args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -313,8 +320,36 @@ def run_step(args) -> int:
             continue
         o = t["overlap"]
         fraction = "-" if o["overlap_fraction"] is None else f"{100 * o['overlap_fraction']:.1f} %"
-        print(f"trace {t['schedule']} rank {t['rank']}: {t['file']}: transfers {o['transfer_ms']:.2f} ms, "
-              f"{fraction} of it beside compute ({o['kind']})")
+        streams = "; ".join(f"stream {k}: {v['transfer_ms']:.2f} ms, {_percent(v['overlap_fraction'])}"
+                            for k, v in o.get("by_stream", {}).items())
+        print(f"trace {t['dispatcher']} {t['schedule']} rank {t['rank']}: {t['file']}: transfers "
+              f"{o['transfer_ms']:.2f} ms, {fraction} of it beside compute on the compute stream ({o['kind']})"
+              + (f"; per transfer stream: {streams}" if streams else ""))
+    from moekit.dice.verdicts import best_rows, format_verdict, hidden_share, verdicts
+
+    best = best_rows(results["rows"], spec.schedules)
+    if best:
+        print(f"\nbest dispatcher of each schedule (on), its ms, speedup over the fastest sync (x) and peak memory "
+              f"per rank (GiB), {spec.world_size} ranks:")
+        print(format_table(best, list(dict.fromkeys(k for line in best for k in line)), ".4g"))
+    hidden = hidden_share(results["traces"])
+    for name, h in hidden.items():
+        print(f"hidden: {name} on {h['dispatcher']}: {h['hidden']:.1%} of the exchange ({h['hidden_ms']:.2f} of "
+              f"{h['exchange_ms']:.2f} ms over the profiled steps, mean of {h['ranks']} ranks)")
+    probes: dict = {}
+    for p in results.get("sm_probe", []):
+        probes.setdefault(p["model"], []).append(p)
+    for model, ps in probes.items():
+        mean = {k: sum(p[k] for p in ps) / len(ps) for k in ("compute_ms", "compute_beside_ms", "compute_slowdown",
+                                                             "exchange_ms", "exchange_beside_ms", "exchange_slowdown")}
+        print(f"comm SMs {spec.comm_sms or 'NCCL default'}, {model}: compute {mean['compute_ms']:.2f} ms alone, "
+              f"{mean['compute_beside_ms']:.2f} ms beside the exchange ({mean['compute_slowdown']:.2f}x); exchange "
+              f"{mean['exchange_ms']:.2f} ms alone, {mean['exchange_beside_ms']:.2f} ms beside compute "
+              f"({mean['exchange_slowdown']:.2f}x); mean of {len(ps)} ranks")
+    results["best"], results["hidden"] = best, hidden
+    results["verdicts"] = verdicts(results, spec.world_size)
+    for v in results["verdicts"]:
+        print(format_verdict(v))
     clock = "CUDA events" if device == "cuda" else "wall clock"
     params = dict(asdict(spec), timeout=args.timeout, executors=dict(sync="inline", asynchronous="async"),
                   timing=f"{clock} between steps{' on the sampler stream' if device == 'cuda' else ''}; per step the "
@@ -395,7 +430,9 @@ def register(sub) -> None:
                    help="comma-separated presets (default: GPU dit-moe-xl,dit-moe-g; CPU digits, a tiny model)")
     t.add_argument("--depth", type=int, default=None, help="use this many blocks of each model (default: its own)")
     t.add_argument("--batches", default=None, help="local batch sizes per rank (default: GPU 4,8,16,32; CPU 1,2)")
-    t.add_argument("--dispatchers", default="alltoall,lowlatency", help="from alltoall, lowlatency")
+    t.add_argument("--dispatchers", default="alltoall,lowlatency",
+                   help="from alltoall (eager), lowlatency, stale (fixed capacity, no host read: the overlapping "
+                        "one), stale-graph (stale, steady steps replayed from CUDA graphs)")
     t.add_argument("--schedules", default="sync,displaced,interweaved,dice",
                    help=f"comma-separated, must include sync; from {', '.join(PRESET_NAMES)}")
     t.add_argument("--steps", type=int, default=None, help="timed denoising steps per run (default: GPU 10, CPU 3)")
@@ -411,8 +448,23 @@ def register(sub) -> None:
     t.add_argument("--headroom-gib", type=float, default=4.0,
                    help="GPU memory to keep free when deciding whether a case fits (default 4)")
     t.add_argument("--trace", default=None, metavar="DIR",
-                   help="also profile one case (first model, batch 8, alltoall, dice and sync) into Chrome traces here")
+                   help="also profile one case (first model, batch 8, the stale dispatcher if measured, else "
+                        "alltoall) into Chrome traces here")
     t.add_argument("--trace-steps", type=int, default=3, help="steps the profiler records (default 3)")
+    t.add_argument("--trace-schedules", default=None,
+                   help="comma-separated schedules to profile (default: sync and dice, else the first asynchronous)")
+    t.add_argument("--executor", choices=("auto", "inline", "stream", "async"), default="auto",
+                   help="the asynchronous schedules' executor: stream (side stream, no thread; for the stale "
+                        "dispatcher), async (worker thread), inline; auto: stream on stale, else async")
+    t.add_argument("--capacity-factor", type=float, default=2.0,
+                   help="stale dispatcher: rows per peer as this many times the balanced share (0: the exact "
+                        "bound, nothing can overflow; an overflow is reported after the run; default 2)")
+    t.add_argument("--stale-packing", choices=("auto", "torch", "triton"), default=None,
+                   help="stale dispatcher: its fixed-buffer phases as torch ops or one-launch kernels (same bytes; "
+                        "default: the dispatcher's own choice)")
+    t.add_argument("--comm-sms", type=int, default=None,
+                   help="stale dispatcher: NCCL thread blocks (SMs) each exchange of its side group may use "
+                        "(default: NCCL's choice)")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
     t.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the JSON record goes (default %(default)s)")
     t.set_defaults(func=run_step)

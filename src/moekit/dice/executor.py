@@ -1,10 +1,19 @@
-"""Where a schedule's communication runs: in order, or on a worker thread and its own stream.
+"""Where a schedule's communication runs: in order, on a side stream, or on a worker thread.
 
 ``submit(fn, inputs)`` starts ``fn()`` (a dispatch or a combine) and returns a handle;
 ``wait(handle)`` returns its result, ready for the caller's next work.
 
 * :class:`InlineExecutor` runs ``fn`` at submit: everything in program order. The results
-  are the same as with the asynchronous executor — only the overlap is lost.
+  are the same as with the other executors — only the overlap is lost.
+* :class:`StreamExecutor` (``"stream"``) issues ``fn`` at submit, from the caller's
+  thread, on a communication stream: the communication stream first waits for an event
+  the caller's stream records (the inputs are ready), ``fn`` queues its work there, and an
+  event recorded after it is what ``wait`` makes the caller's stream wait for. No host
+  thread waits anywhere, so this is the executor for dispatchers that never read the
+  host (:class:`moekit.dice.stale.StaleExchange`, or any dispatcher inside a CUDA graph):
+  the caller queues the next layers' compute right after the issue, and the GPU runs it
+  beside the transfer. Submit and wait are only event records and waits, so they can
+  be captured: a graph of a step holds the fork and join. On a CPU ``fn`` runs at submit.
 * :class:`AsyncExecutor` runs every ``fn`` on one worker thread, in submission order (so
   all ranks issue their collectives in the same order). On a GPU the worker works on a
   communication stream of its own: at submit the caller's stream records an event the
@@ -28,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-EXECUTORS = ("inline", "async")
+EXECUTORS = ("inline", "stream", "async")
 
 
 def tensors_in(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
@@ -138,10 +147,108 @@ class AsyncExecutor:
             pool.shutdown(wait=False)
 
 
+class _Issued:
+    def __init__(self, value, done, generation: int = 0):
+        self.value, self.done, self.generation = value, done, generation
+
+
+def _cuda_device(device) -> torch.device:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return device
+
+
+class StreamExecutor:
+    """Issues every call on one communication stream, ordered by CUDA events (no thread).
+
+    ``on_issue`` / ``on_wait`` (optional callables taking the handle) are told when a call
+    is issued and when its result is taken: a test uses them to watch the window between.
+
+    Inside a CUDA-graph capture (:meth:`begin_capture` ... :meth:`end_capture`, one per
+    captured step) the same records and waits become the graph's fork and join edges.
+    A captured graph must end with every side-stream branch joined, so :meth:`join` makes
+    the capturing stream wait for the communication stream at the end of the step; a
+    handle issued before the capture (another generation) is then already complete when
+    it is waited for, and its event is not waited on inside the graph.
+    """
+
+    name = "stream"
+
+    def __init__(self, device: torch.device | str | None = None, stream: "torch.cuda.Stream | None" = None):
+        self.device = _cuda_device(device)
+        if self.device.type == "cuda":
+            self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        else:
+            self.stream = None
+        self.on_issue = self.on_wait = None
+        self.generation = 0
+        self._capturing = self._forked = False
+        self._keep: list = []
+
+    def begin_capture(self) -> None:
+        self.generation += 1
+        self._capturing, self._forked, self._keep = True, False, []
+
+    def join(self) -> None:
+        """Inside a capture: the capturing stream waits for the communication stream."""
+        if self._capturing and self._forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._forked = False
+
+    def end_capture(self) -> None:
+        self.join()
+        self._capturing, self._keep = False, []
+        self.generation += 1
+
+    def submit(self, fn: Callable[[], Any], inputs: Any = ()) -> _Issued:
+        if self.stream is None:
+            handle = _Issued(None, None, self.generation)
+            if self.on_issue is not None:
+                self.on_issue(handle)
+            handle.value = fn()
+            return handle
+        caller = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        for t in tensors_in(inputs):
+            if t.is_cuda:
+                t.record_stream(self.stream)
+        if self._capturing:  # kept alive until the capture's join (the graph's memory is stream-ordered there)
+            self._forked = True
+            self._keep.append(inputs)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            handle = _Issued(None, torch.cuda.Event(), self.generation)
+            if self.on_issue is not None:
+                self.on_issue(handle)
+            handle.value = fn()
+            handle.done.record(self.stream)
+        return handle
+
+    def wait(self, handle: _Issued) -> Any:
+        if handle.done is not None and handle.generation == self.generation:
+            caller = torch.cuda.current_stream(self.device)
+            caller.wait_event(handle.done)
+            for t in tensors_in(handle.value):
+                if t.is_cuda:
+                    t.record_stream(caller)
+        if self.on_wait is not None:
+            self.on_wait(handle)
+        return handle.value
+
+    def close(self) -> None:
+        pass
+
+
 def make_executor(kind: str, device: torch.device | str | None = None):
-    """``"inline"`` or ``"async"`` (see the module docstring)."""
+    """``"inline"``, ``"stream"`` or ``"async"`` (see the module docstring)."""
     if kind == "inline":
         return InlineExecutor()
+    if kind == "stream":
+        return StreamExecutor(device)
     if kind == "async":
         return AsyncExecutor(device)
     raise ValueError(f"executor must be one of {EXECUTORS}, got {kind!r}")

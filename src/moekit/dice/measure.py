@@ -16,8 +16,14 @@ the result: a real run of N steps has those too, once per run.)
 * the speedup of a schedule is sync's median over its median (and the same with means),
   at the same model, batch and dispatcher, from the same launch.
 
-Synchronous work runs with the in-order executor (expert parallelism as usual); the
-asynchronous schedules with the asynchronous executor (worker thread, own CUDA stream).
+Synchronous work runs with the in-order executor (expert parallelism as usual). The
+asynchronous schedules run over the stale exchange (``stale``, ``stale-graph``) with the
+side-stream executor (no thread, no host read between issue and use; ``stale-graph``
+replays the steady steps from CUDA graphs, :mod:`moekit.dice.graphs`), and over the
+dispatchers that read sizes on the host with the worker-thread executor. The stale
+exchanges of the asynchronous layers use a process group of their own (``--comm-sms``
+caps its NCCL thread blocks); a capacity that overflowed in a run is rebuilt at the exact
+bound and the run repeated (:meth:`_Case.run`).
 
 The all-to-all's share of a sync step is measured in one more sync run whose dispatcher
 calls are wrapped in CUDA events (wall clock on a CPU): the time the sampler's stream
@@ -59,7 +65,9 @@ from moekit.dice.runner import ScheduledMoE
 from moekit.dice.sampler import sample
 from moekit.dice.schedules import SchedulePlan, preset
 
-DISPATCHERS = ("alltoall", "lowlatency")
+DISPATCHERS = ("alltoall", "lowlatency", "stale", "stale-graph")
+STALE = ("stale", "stale-graph")  # the fixed-capacity exchange; -graph: steady steps replayed from CUDA graphs
+EXECUTOR_CHOICES = ("auto", "inline", "stream", "async")
 EXPERT_KINDS = ("torch", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SCHEDULES = ("sync", "displaced", "interweaved", "dice")
@@ -93,6 +101,11 @@ class StepSpec:
     trace_dir: str | None = None
     trace_steps: int = 3
     trace_case: tuple | None = None  # (model, batch, dispatcher, schedule), set by resolve_trace_case
+    executor: str = "auto"  # the asynchronous schedules' executor (auto: stream on stale, else async)
+    capacity_factor: float | None = 2.0  # stale: rows per peer, times the balanced share (None: exact bound)
+    comm_sms: int | None = None  # stale: NCCL thread blocks (SMs) per collective of the stale group
+    trace_schedules: tuple[str, ...] | None = None  # profiled schedules (None: sync and trace_case's)
+    stale_packing: str | None = None  # stale: the fixed-buffer phases' implementation (None: the dispatcher's default)
 
     def check(self) -> "StepSpec":
         _check_int("--world-size", self.world_size, 1)
@@ -132,6 +145,19 @@ class StepSpec:
             raise ValueError("--experts fused needs --device cuda (the Triton kernel); use --experts torch")
         if not (math.isfinite(self.cfg) and self.cfg >= 1.0):
             raise ValueError(f"--cfg must be a number >= 1, got {self.cfg}")
+        if self.executor not in EXECUTOR_CHOICES:
+            raise ValueError(f"--executor must be one of {', '.join(EXECUTOR_CHOICES)}, got {self.executor!r}")
+        if self.capacity_factor is not None and not (isinstance(self.capacity_factor, (int, float))
+                                                     and math.isfinite(self.capacity_factor)
+                                                     and self.capacity_factor > 0):
+            raise ValueError(f"--capacity-factor must be a positive number, got {self.capacity_factor!r}")
+        if self.comm_sms is not None:
+            _check_int("--comm-sms", self.comm_sms, 1)
+        if self.stale_packing not in (None, "auto", "torch", "triton"):
+            raise ValueError(f"--stale-packing must be auto, torch or triton, got {self.stale_packing!r}")
+        for name in self.trace_schedules or ():
+            if name not in self.schedules:
+                raise ValueError(f"--trace-schedules: {name!r} is not among --schedules ({', '.join(self.schedules)})")
         if not (math.isfinite(self.headroom_gib) and self.headroom_gib >= 0):
             raise ValueError(f"--headroom-gib must be a number >= 0, got {self.headroom_gib}")
         return self
@@ -152,13 +178,14 @@ def _check_int(flag: str, value, low: int) -> None:
 
 
 def resolve_trace_case(spec: StepSpec) -> StepSpec:
-    """The one case ``--trace`` profiles: the first model, batch 8 (else the smallest), the
-    eager all-to-all (else the first dispatcher), the dice schedule (else the first
-    asynchronous one, else sync)."""
+    """The one (model, batch, dispatcher) ``--trace`` profiles, every schedule of it: the
+    first model, batch 8 (else the smallest), the stale exchange (else the eager
+    all-to-all, else the first dispatcher); the schedule field names dice (else the first
+    asynchronous one, else sync), the one the overlap verdict reads."""
     if spec.trace_dir is None:
         return spec
     batch = 8 if 8 in spec.batches else min(spec.batches)
-    dispatcher = "alltoall" if "alltoall" in spec.dispatchers else spec.dispatchers[0]
+    dispatcher = next(d for d in ("stale", "stale-graph", "alltoall", *spec.dispatchers) if d in spec.dispatchers)
     asynchronous = [s for s in spec.schedules if s != "sync"]
     schedule = "dice" if "dice" in spec.schedules else (asynchronous[0] if asynchronous else "sync")
     return StepSpec(**{**asdict(spec), "trace_case": (spec.models[0], batch, dispatcher, schedule)})
@@ -208,7 +235,9 @@ def build_local_experts(config: DiTMoEConfig, rank: int, world_size: int, device
         if kind == "fused":
             from moekit.moe.fused_experts import FusedExperts
 
-            experts.append(FusedExperts(w13, w2))
+            # The static kernel choice: a choice that reads the counts on the host would stall the
+            # host on the very exchange the experts wait for (and cannot be captured).
+            experts.append(FusedExperts(w13, w2, config="static"))
         else:
             experts.append(SwiGLUExperts(w13, w2))
     return experts
@@ -280,8 +309,11 @@ class DispatcherPool:
     """
 
     def __init__(self, kind: str, config: DiTMoEConfig, max_m: int, world_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, *, side_group=None, capacity_factor: float | None = None,
+                 packing: str | None = None):
         self.kind, self.config, self.max_m, self.world_size = kind, config, max_m, world_size
+        self.packing = packing
+        self.side_group, self.capacity_factor = side_group, capacity_factor
         self.device, self.dtype = device, dtype
         self.layers: dict = {}
         self.broken: str | None = None  # why the low-latency layer cannot serve this shape
@@ -289,6 +321,10 @@ class DispatcherPool:
     def keys(self, plan: SchedulePlan) -> list:
         if self.kind == "alltoall":
             return ["alltoall"]
+        if self.kind in STALE:  # stateless: one per group (asynchronous layers on the side group)
+            depth = self.config.depth
+            return (["side"] if any(plan.config.layer_is_async(layer, depth) for layer in range(depth)) else []) + \
+                (["main"] if any(not plan.config.layer_is_async(layer, depth) for layer in range(depth)) else [])
         depth = self.config.depth
         keys = [(layer, parity) for layer in range(depth) if plan.config.layer_is_async(layer, depth)
                 for parity in range(2)]
@@ -299,13 +335,24 @@ class DispatcherPool:
     def _key(self, plan: SchedulePlan, layer: int, parity: int):
         if self.kind == "alltoall":
             return "alltoall"
+        if self.kind in STALE:
+            return "side" if plan.config.layer_is_async(layer, self.config.depth) else "main"
         return (layer, parity) if plan.config.layer_is_async(layer, self.config.depth) else "shared"
 
     def missing_bytes(self, plan: SchedulePlan) -> int:
         """Device memory the layers this schedule still lacks will take, plus the experts'
-        output of two calls in flight (low-latency layer; 0 for the eager all-to-all)."""
+        output of two calls in flight (low-latency layer; 0 for the eager all-to-all and the
+        stale exchange, whose buffers are per call: in the working set)."""
         if self.kind == "alltoall":
             return 0
+        if self.kind in STALE:  # fixed-capacity receive buffers held across steps, one unpacked per layer
+            from moekit.dice.stale import balanced_capacity
+
+            itemsize = torch.empty(0, dtype=self.dtype).element_size()
+            rows = self.world_size * balanced_capacity(self.max_m, self.world_size, self.capacity_factor)
+            E_local = self.config.moe_shape.experts_per_rank(self.world_size)
+            return (accounting.peak_buffers(plan) * rows * (16 + self.config.hidden * itemsize)
+                    + 2 * E_local * rows * self.config.hidden * itemsize)
         size = lowlatency_layer_bytes(self.config, self.max_m, self.world_size, self.dtype)
         missing = [k for k in self.keys(plan) if k not in self.layers]
         return len(missing) * size["persistent"] + 2 * size["expert_out"]
@@ -323,6 +370,13 @@ class DispatcherPool:
             try:
                 if self.kind == "alltoall":
                     self.layers[key] = AllToAllDispatcher(shape.num_experts, hidden=shape.hidden, top_k=1)
+                elif self.kind in STALE:
+                    from moekit.dice.stale import StaleExchange
+
+                    self.layers[key] = StaleExchange(shape.num_experts, self.max_m, hidden=shape.hidden,
+                                                     dtype=self.dtype, capacity_factor=self.capacity_factor,
+                                                     packing=self.packing,
+                                                     group=self.side_group if key == "side" else None)
                 else:
                     self.layers[key] = EPLowLatencyAllToAll(self.max_m, shape.hidden, 1, shape.num_experts,
                                                             dtype=self.dtype, online_fp8=False, device=self.device)
@@ -340,7 +394,7 @@ class DispatcherPool:
 
     def close(self) -> None:
         for key, layer in self.layers.items():
-            if key != "alltoall":
+            if hasattr(layer, "finalize"):
                 layer.finalize()
         self.layers.clear()
 
@@ -388,9 +442,10 @@ def _elapsed_ms(entry) -> float:
 
 
 def time_steps(model, runner, noise, labels, steps: int, cfg: float, device: torch.device,
-               after_step=None) -> list[float]:
+               after_step=None, graphed=None) -> list[float]:
     """Run the sampler for ``steps`` steps; the ms of each step (CUDA events on the
-    sampler's stream, or wall clock). ``after_step(i)`` runs after step i is queued."""
+    sampler's stream, or wall clock). ``after_step(i)`` runs after step i is queued.
+    ``graphed``: a :class:`~moekit.dice.graphs.GraphedSampler` of ``runner`` to run instead."""
     cuda = device.type == "cuda"
     if cuda:
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -406,7 +461,10 @@ def time_steps(model, runner, noise, labels, steps: int, cfg: float, device: tor
         if after_step is not None:
             after_step(i)
 
-    sample(model, noise, labels, steps=steps, cfg_scale=cfg, moe=runner, on_step=on_step)
+    if graphed is not None:
+        graphed.run(noise, labels, on_step=on_step)
+    else:
+        sample(model, noise, labels, steps=steps, cfg_scale=cfg, moe=runner, on_step=on_step)
     if cuda:
         torch.cuda.synchronize(device)
         return [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
@@ -439,14 +497,33 @@ class _Case:
                 + int(self.spec.headroom_gib * GIB))
         if need <= free:
             return None
-        what = "" if self.pool.kind == "alltoall" else (
+        what = {"alltoall": "", "stale": f", of which {self.pool.missing_bytes(plan) / GIB:.1f} GiB fixed-capacity "
+                                          f"receive buffers"}.get(self.pool.kind) or (
             f", of which {self.pool.missing_bytes(plan) / GIB:.1f} GiB low-latency layers "
             f"({len(self.pool.keys(plan))} of them, each with receive buffers for every row of every rank)")
         return (f"needs about {need / GIB:.1f} GiB per rank (held results, working set, {self.spec.headroom_gib:g} GiB "
                 f"headroom{what}); {free / GIB:.1f} GiB free")
 
-    def run(self, name: str, *, timed_log: list | None = None, after_step=None, steps: int | None = None) -> dict:
-        """One sampler run of ``name``; this rank's step times, or the reason it was skipped."""
+    def run(self, name: str, **kwargs) -> dict:
+        """One sampler run of ``name``; this rank's step times, or the reason it was skipped.
+
+        A stale exchange whose capacity overflowed in the run (every rank alike) is rebuilt
+        with the exact bound, and the run is repeated once; ``capacity_factor`` in the
+        result says which capacity the timing is of."""
+        out = self._run(name, **kwargs)
+        if out.get("overflowed") and self.pool.capacity_factor is not None:
+            first = out["overflowed"]
+            self.pool.capacity_factor = None  # the exact bound from here on, for every schedule of this pool
+            self.pool.layers.clear()
+            out = self._run(name, **kwargs)
+            out["overflow_before"] = first
+        if out.get("overflowed"):
+            return dict(skipped=f"timing discarded, rows were not delivered: {out['overflowed']}")
+        if self.pool.kind in STALE:
+            out["capacity_factor"] = self.pool.capacity_factor
+        return out
+
+    def _run(self, name: str, *, timed_log: list | None = None, after_step=None, steps: int | None = None) -> dict:
         spec = self.spec
         total = steps if steps is not None else spec.total_steps
         schedule = preset(name, total)
@@ -457,7 +534,7 @@ class _Case:
         if reason is not None:
             return dict(skipped=reason)
         wrap = (lambda d: TimedDispatcher(d, timed_log)) if timed_log is not None else None
-        executor = "async" if schedule.is_async else "inline"
+        executor = executor_for(schedule.is_async, self.pool.kind, spec.executor)
         runner = ScheduledMoE(self.weights, self.config.moe_shape, schedule, total,
                               dispatcher=self.pool.dispatcher(plan, wrap),
                               executor=make_executor(executor, self.device),
@@ -466,14 +543,40 @@ class _Case:
             torch.cuda.reset_peak_memory_stats(self.device)
         _barrier(self.device)
         try:
+            graphed = None
+            if self.pool.kind == "stale-graph" and timed_log is None and self.device.type == "cuda":
+                from moekit.dice.graphs import GraphedSampler
+
+                graphed = GraphedSampler(self.model, runner, steps=total, cfg_scale=spec.cfg)
             step_ms = time_steps(self.model, runner, self.noise, self.labels, total, spec.cfg, self.device,
-                                 after_step)
+                                 after_step, graphed=graphed)
+            overflow = None
+            try:
+                runner.check()  # a stale exchange's overflow flag: one host read, after the run (every rank alike)
+            except RuntimeError as error:
+                overflow = str(error)
         finally:
             runner.close()
+        if overflow is not None:
+            return dict(overflowed=overflow)
+        graph_info = {} if graphed is None else dict(
+            replayed_steps=graphed.replayed_steps, graph_fallback=graphed.fallback, cycle=graphed.cycle)
         stats = runner.stats()
         peak = torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
         return dict(step_ms=step_ms, rows_remote=stats["rows_remote"], executor=executor, peak_gib=peak,
-                    staleness=plan.staleness()["mean"], describe=schedule.describe())
+                    staleness=plan.staleness()["mean"], describe=schedule.describe(), **graph_info)
+
+
+def executor_for(asynchronous: bool, kind: str, choice: str = "auto") -> str:
+    """The executor of a run: synchronous schedules in order; asynchronous ones on the side
+    stream over the stale exchange (it never reads the host), on the worker thread over
+    dispatchers that read sizes on the host (the eager all-to-all; the low-latency layer's
+    step status), unless ``choice`` names one."""
+    if not asynchronous:
+        return "inline"
+    if choice != "auto":
+        return choice
+    return "stream" if kind in STALE else "async"
 
 
 def _share_run(case: _Case) -> dict:
@@ -513,11 +616,11 @@ def _trace_run(case: _Case, name: str, out_dir: Path, rank: int) -> dict:
     with profile(**kwargs) as prof:
         out = case.run(name, after_step=after_step, steps=total)
     if "skipped" in out:
-        return dict(schedule=name, skipped=out["skipped"])
+        return dict(schedule=name, dispatcher=dispatcher, skipped=out["skipped"])
     if not path.exists():
-        return dict(schedule=name, skipped="the profiler wrote no trace")
+        return dict(schedule=name, dispatcher=dispatcher, skipped="the profiler wrote no trace")
     overlap = trace_overlap(json.loads(path.read_text()))
-    return dict(schedule=name, file=path.name, overlap=overlap)
+    return dict(schedule=name, dispatcher=dispatcher, file=path.name, overlap=overlap)
 
 
 # ------------------------------------------------------------------------------ the ranks
@@ -537,7 +640,12 @@ def measure_worker(rank: int, world_size: int, spec: StepSpec) -> dict:
         if rank == 0:
             print(text, flush=True)
 
-    result = dict(cases=[], shares=[], models=[], traces=[])
+    result = dict(cases=[], shares=[], models=[], traces=[], sm_probe=[])
+    side_group = None
+    if any(k in STALE for k in spec.dispatchers) and world_size > 1:  # their own communicator (a collective)
+        from moekit.dice.stale import exchange_group
+
+        side_group = exchange_group(spec.comm_sms, device_type=device.type)
     for name in spec.models:
         config = model_config(name, spec.depth)
         start = time.perf_counter()
@@ -562,11 +670,25 @@ def measure_worker(rank: int, world_size: int, spec: StepSpec) -> dict:
         result["models"].append(info)
         say(f"{name}: {config.depth} layers, hidden {config.hidden}, {config.num_experts} experts top-{config.top_k}; "
             f"model {model_gib:.2f} GiB + this rank's experts {experts_gib:.2f} GiB, built in {info['build_s']:.1f} s")
+        if side_group is not None and device.type == "cuda":  # what the side stream's SM budget costs the compute
+            from moekit.dice.smshare import probe
+            from moekit.dice.stale import StaleExchange
+
+            rows = tokens_per_rank(config, 8 if 8 in spec.batches else min(spec.batches), spec.cfg) * config.top_k
+            exchange = StaleExchange(config.num_experts, rows, hidden=config.hidden, dtype=dtype, group=side_group,
+                                     capacity_factor=spec.capacity_factor, packing=spec.stale_packing)
+            p = dict(model=name, comm_sms=spec.comm_sms, **probe(exchange, config.hidden, rows, dtype, device))
+            result["sm_probe"].append(p)
+            say(f"  {name}: side-stream exchange ({rows} rows, comm SMs {spec.comm_sms or 'NCCL default'}) beside "
+                f"compute: compute {p['compute_ms']:.2f} -> {p['compute_beside_ms']:.2f} ms "
+                f"({p['compute_slowdown']:.2f}x), exchange {p['exchange_ms']:.2f} -> {p['exchange_beside_ms']:.2f} ms "
+                f"({p['exchange_slowdown']:.2f}x) (rank 0)")
         for batch in spec.batches:
             noise, labels = rank_batch(config, batch, rank, spec.seed, device, dtype)
             max_m = tokens_per_rank(config, batch, spec.cfg) * config.top_k  # one row per (token, slot)
             for kind in spec.dispatchers:
-                pool = DispatcherPool(kind, config, max_m, world_size, device, dtype)
+                pool = DispatcherPool(kind, config, max_m, world_size, device, dtype, side_group=side_group,
+                                      capacity_factor=spec.capacity_factor, packing=spec.stale_packing)
                 case = _Case(spec, config, model, weights, experts, pool, noise, labels, rank, world_size, device,
                              itemsize)
                 try:
@@ -575,7 +697,8 @@ def measure_worker(rank: int, world_size: int, spec: StepSpec) -> dict:
                         out = case.run(schedule)
                         result["cases"].append(dict(model=name, batch=batch, dispatcher=kind, schedule=schedule, **out))
                         say(_progress(name, batch, kind, schedule, out, spec.timed, time.perf_counter() - start))
-                    share = _share_run(case)
+                    share = _share_run(case) if kind != "stale-graph" else dict(
+                        skipped="the instrumented sync run is eager: see the stale dispatcher's")
                     result["shares"].append(dict(model=name, batch=batch, dispatcher=kind, **share))
                     if "skipped" not in share:
                         ratios = [c / t for c, t in zip(share["comm_ms"][spec.timed], share["step_ms"][spec.timed])]
@@ -584,7 +707,8 @@ def measure_worker(rank: int, world_size: int, spec: StepSpec) -> dict:
                     if spec.trace_case is not None and spec.trace_case[:3] == (name, batch, kind):
                         out_dir = Path(spec.trace_dir)
                         out_dir.mkdir(parents=True, exist_ok=True)
-                        for schedule in dict.fromkeys(("sync", spec.trace_case[3])):
+                        traced = spec.trace_schedules or ("sync", spec.trace_case[3])
+                        for schedule in dict.fromkeys(s for s in traced if s in spec.schedules):
                             result["traces"].append(_trace_run(case, schedule, out_dir, rank))
                             say(f"  traced {name} b{batch} {kind} {schedule}")
                 finally:
@@ -632,7 +756,9 @@ def combine_ranks(per_rank: list[dict], spec: StepSpec) -> dict:
                          median_ms=s["median"], p95_ms=s["p95"], mean_ms=s["mean"], step_ms=slowest,
                          rank_median_ms=[summarize(c["step_ms"][timed])["median"] for c in cases],
                          rows_remote_per_step=sum(rows_remote) / len(rows_remote),
-                         peak_gib=_max_or_none([c["peak_gib"] for c in cases])))
+                         peak_gib=_max_or_none([c["peak_gib"] for c in cases]),
+                         **{k: first[k] for k in ("capacity_factor", "overflow_before", "replayed_steps",
+                                                  "graph_fallback", "cycle") if k in first}))
     _add_speedups(rows)
     shares = []
     for runs in zip(*(r["shares"] for r in per_rank)):
@@ -651,7 +777,8 @@ def combine_ranks(per_rank: list[dict], spec: StepSpec) -> dict:
                            step_median_ms=summarize(_slowest(runs, "step_ms", timed))["median"],
                            calls_per_step=first["calls_per_step"]))
     traces = [dict(rank=rank, **t) for rank, r in enumerate(per_rank) for t in r["traces"]]
-    return dict(rows=rows, shares=shares, models=per_rank[0]["models"], traces=traces)
+    sm_probe = [dict(rank=rank, **p) for rank, r in enumerate(per_rank) for p in r.get("sm_probe", [])]
+    return dict(rows=rows, shares=shares, models=per_rank[0]["models"], traces=traces, sm_probe=sm_probe)
 
 
 def _max_or_none(values: list) -> float | None:

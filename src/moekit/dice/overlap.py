@@ -6,10 +6,12 @@ compute running beside them?
 
 * On a GPU the transfers are the kernels that move data between ranks: NCCL's kernels
   and the low-latency layer's dispatch / combine kernels (by name). Compute is every
-  other kernel launched from the thread that launched the most kernels (the sampler's
-  thread: the model's kernels), so the packing kernels the executor's worker thread
-  launches around a transfer count as neither. The launching thread comes from the trace's
-  runtime events (``cudaLaunchKernel`` ...), matched to kernels by their correlation id.
+  other kernel on the compute stream: the stream whose non-transfer kernels ran longest
+  (the sampler's stream, where the model runs). Kernels on other streams — the packing
+  and unpacking an executor queues on its communication stream around a transfer — count
+  as neither, so what is reported hidden is the exchange time during which the model's
+  own work ran on the other stream. A transfer kernel on the compute stream itself (a
+  synchronous layer's) is never beside compute: it counts as exposed.
 * On a CPU (gloo) there are no kernels: the transfers are gloo's own ``gloo:...`` spans
   (gloo's threads), compute is the operators of the thread with the most operators,
   without the collectives' own host operators (``c10d::...``) and what runs inside them.
@@ -27,7 +29,6 @@ from collections import Counter
 TRANSFER_KERNEL = re.compile(r"nccl|_dispatch_kernel|_combine_kernel", re.IGNORECASE)
 TRANSFER_HOST = re.compile(r"^(gloo|nccl):", re.IGNORECASE)
 COLLECTIVE_HOST = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms)", re.IGNORECASE)
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def union(intervals) -> list[tuple[float, float]]:
@@ -92,24 +93,32 @@ def trace_overlap(document) -> dict:
     return _cpu_overlap(events)
 
 
+def _stream(kernel: dict):
+    return kernel.get("args", {}).get("stream", kernel.get("tid"))
+
+
 def _gpu_overlap(events: list[dict], kernels: list[dict]) -> dict:
-    launcher = {}  # correlation id -> host thread that launched it
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            launcher[e["args"]["correlation"]] = e.get("tid")
-    threads = Counter(launcher.get(k.get("args", {}).get("correlation")) for k in kernels)
-    threads.pop(None, None)
     transfer = [k for k in kernels if TRANSFER_KERNEL.search(k.get("name", ""))]
     others = [k for k in kernels if not TRANSFER_KERNEL.search(k.get("name", ""))]
-    if threads:
-        main = threads.most_common(1)[0][0]
-        compute = [k for k in others if launcher.get(k.get("args", {}).get("correlation")) == main]
-        how = "kernels launched by the thread that launched the most kernels"
-    else:  # no runtime events to tell the threads apart: every other kernel counts
-        compute, how = others, "every non-transfer kernel (the trace names no launching threads)"
-    streams = sorted({k.get("args", {}).get("stream", k.get("tid")) for k in transfer}, key=str)
-    return _summary("gpu", [_span(k) for k in transfer], [_span(k) for k in compute], compute_is=how,
-                    transfer_spans=len(transfer), compute_spans=len(compute), transfer_streams=streams)
+    busy: Counter = Counter()
+    for k in others:
+        busy[_stream(k)] += float(k["dur"])
+    main = busy.most_common(1)[0][0] if busy else None
+    compute = [k for k in others if _stream(k) == main]
+    streams = sorted({_stream(k) for k in transfer}, key=str)
+    spans = [_span(k) for k in compute]
+    # Per transfer stream (one per communicator): a schedule whose synchronous layers use one
+    # communicator and whose stale exchanges use another shows each part's share apart.
+    by_stream = {}
+    for stream in streams:
+        mine = [_span(k) for k in transfer if _stream(k) == stream]
+        total = length(mine)
+        by_stream[str(stream)] = dict(transfer_ms=total / 1e3, overlap_ms=intersection_length(mine, spans) / 1e3,
+                                      overlap_fraction=intersection_length(mine, spans) / total if total else None)
+    return _summary("gpu", [_span(k) for k in transfer], spans,
+                    compute_is="non-transfer kernels on the stream whose non-transfer kernels ran longest",
+                    compute_stream=main, transfer_spans=len(transfer), compute_spans=len(compute),
+                    transfer_streams=streams, by_stream=by_stream)
 
 
 def _cpu_overlap(events: list[dict]) -> dict:

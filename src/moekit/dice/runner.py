@@ -16,6 +16,12 @@ uses. Build the dispatcher with ``top_k=1`` (and, for the low-latency layer,
 ``max_m >= T * K``). The eager all-to-all sends one row per (token, slot) either way; the
 low-latency layer, which otherwise sends a token once per destination rank, sends up to K.
 
+A dispatcher with ``issue`` / ``receive`` (:class:`moekit.dice.stale.StaleExchange`) is
+driven in two halves: ``issue`` (plan, pack, exchange) is what the executor runs when the
+dispatch is launched, and ``receive`` (the unpack into the expert-major layout) runs on
+the compute stream when the experts are about to run, so a dispatch held across a step
+boundary holds only the received bytes. Its ``check`` runs in :meth:`ScheduledMoE.check`.
+
 Dispatchers whose results live in buffers they reuse (the low-latency layer: valid until
 its next dispatch) need one instance per in-flight dispatch: pass ``dispatcher`` as a
 callable ``(layer, parity) -> Dispatcher``; (layer, step % 2) never has two dispatches in
@@ -168,10 +174,14 @@ class ScheduledMoE:
         self._combines: list[list[_Combine]] = [[] for _ in range(L)]
         self._held: list[SlotResult | None] = [None] * L
         # Accounting, on the device, read once by stats(): (token, slot) rows sent to other
-        # ranks and to this rank, per step.
+        # ranks and to this rank, per step, summed in a [2] counter during the step and
+        # added to its row at end_step (a captured step holds no step index on the device).
         self._rows = None
+        self._step_rows = None
+        self.capturing = False  # set by moekit.dice.graphs while a step is captured
         self.sources = [[-1] * L for _ in range(num_steps)]  # the step each (t, l) used
         self._peak = dict(dispatch=0, combine=0, held=0, total=0)
+        self._used: dict[int, object] = {}  # every dispatcher this run called, for check()
 
     # -- the model's hooks ----------------------------------------------------------------
 
@@ -191,7 +201,15 @@ class ScheduledMoE:
             if any(c.due <= t for c in combines):
                 raise RuntimeError(f"layer {layer}: a combine due by step {t} was never consumed")
         self._note_buffers()
+        if self._step_rows is not None and not self.capturing:
+            self.settle_rows(t)
         self.step = None
+
+    def settle_rows(self, step: int) -> None:
+        """Add the step's row counter to ``step``'s row and clear it (a graph's replay calls
+        this after the step, outside the graph)."""
+        self._rows[step] += self._step_rows
+        self._step_rows.zero_()
 
     def __call__(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         t, plan = self.step, self.plan
@@ -200,6 +218,7 @@ class ScheduledMoE:
         probs, weights, ids = route(h, self.routers[layer], self.shape.top_k, batch_invariant=self.batch_invariant)
         if self._rows is None:
             self._rows = torch.zeros(plan.num_steps, 2, dtype=torch.int64, device=h.device)
+            self._step_rows = torch.zeros(2, dtype=torch.int64, device=h.device)
         if plan.is_async(t, layer):
             launch = self._launch(layer, t, h, ids, weights, asynchronous=True) if plan.launches(t, layer) else None
             if self.schedule.mode == "displaced":
@@ -250,17 +269,22 @@ class ScheduledMoE:
         pair_ids = torch.where(send, ids, -1).reshape(T * K, 1)
         ones = torch.ones(T * K, 1, dtype=torch.float32, device=h.device)
         owner = torch.div(ids, self.E_local, rounding_mode="floor")
-        self._rows[t, 0] += (send & (owner != self.rank)).sum()
-        self._rows[t, 1] += (send & (owner == self.rank)).sum()
+        self._step_rows[0] += (send & (owner != self.rank)).sum()
+        self._step_rows[1] += (send & (owner == self.rank)).sum()
         dispatcher = self.dispatcher_for(layer, t)
-        handle = self.executor.submit(lambda: dispatcher.dispatch(x, pair_ids, ones), inputs=(x, pair_ids, ones))
+        self._used.setdefault(id(dispatcher), dispatcher)
+        # A split dispatcher (StaleExchange) issues only the exchange; its unpack waits for the experts.
+        issue = getattr(dispatcher, "issue", None) or dispatcher.dispatch
+        handle = self.executor.submit(lambda: issue(x, pair_ids, ones), inputs=(x, pair_ids, ones))
         return _Launch(t, layer, ids, weights, send, cached, dispatcher, handle)
 
     def _run_experts(self, launch: _Launch, due: int) -> _Combine:
-        dispatched = self.executor.wait(launch.handle)
-        out = self.experts[launch.layer](dispatched.tokens, dispatched.counts, dispatched.scales)
         d = launch.dispatcher
-        handle = self.executor.submit(lambda: d.combine(out, dispatched), inputs=(out,))
+        dispatched = self.executor.wait(launch.handle)
+        if hasattr(d, "receive"):
+            dispatched = d.receive(dispatched)
+        out = self.experts[launch.layer](dispatched.tokens, dispatched.counts, dispatched.scales)
+        handle = self.executor.submit(lambda: d.combine(out, dispatched), inputs=(out, dispatched))
         combine = _Combine(due, launch, handle)
         if due != self.step:  # asynchronous: consumed by a later step
             self._combines[launch.layer].append(combine)
@@ -277,6 +301,33 @@ class ScheduledMoE:
         while self._queue:
             launch = self._queue.pop(0)
             self._run_experts(launch, due=launch.step + 1)
+
+    # -- the state between steps (for moekit.dice.graphs) -------------------------------------
+
+    def state(self) -> tuple:
+        """What crosses a step boundary: per layer the displaced dispatch in flight, the
+        combines in flight, the held result (the interweaved queue is empty between steps)."""
+        if self.step is not None or self._queue:
+            raise RuntimeError("state() is taken between steps")
+        return (list(self._pending_dispatch), [list(c) for c in self._combines], list(self._held))
+
+    def set_state(self, state: tuple, shift: int = 0) -> None:
+        """Install ``state`` (from :meth:`state`) with every step number in it moved by
+        ``shift``: the same tensors, now standing for the state ``shift`` steps later."""
+        pending, combines, held = state
+        launches: dict[int, _Launch] = {}
+
+        def moved(launch: _Launch | None) -> _Launch | None:
+            if launch is None:
+                return None
+            if id(launch) not in launches:
+                launches[id(launch)] = _Launch(launch.step + shift, launch.layer, launch.ids, launch.weights,
+                                               launch.send, launch.cached, launch.dispatcher, launch.handle)
+            return launches[id(launch)]
+
+        self._pending_dispatch = [moved(p) for p in pending]
+        self._combines = [[_Combine(c.due + shift, moved(c.launch), c.handle) for c in layer] for layer in combines]
+        self._held = [None if r is None else SlotResult(r.source + shift, r.ids, r.weights, r.out) for r in held]
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -300,6 +351,14 @@ class ScheduledMoE:
         return dict(rows_remote=rows[:, 0].tolist(), rows_local=rows[:, 1].tolist(),
                     bytes_remote=[int(r) * H * itemsize * 2 for r in rows[:, 0].tolist()],  # dispatch + combine
                     sources=[list(r) for r in self.sources], peak_buffers=dict(self._peak))
+
+    def check(self) -> None:
+        """After a run: each dispatcher's own deferred check (a fixed-capacity exchange's
+        overflow flag: one host read), outside the steps."""
+        for d in self._used.values():
+            check = getattr(d, "check", None)
+            if check is not None:
+                check()
 
     def close(self) -> None:
         self.executor.close()

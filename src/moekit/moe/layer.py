@@ -26,8 +26,9 @@ class MoELayer(nn.Module):
     them with ``MoEWeights.random(shape, seed=...)``). The dispatcher defaults to
     :func:`default_dispatcher`: with one rank (no process group, or a group of one) the
     :class:`~moekit.ep.local.LocalDispatcher`, which hands the tokens to the experts
-    token-major (nothing moves, nothing is regrouped); with several, the eager all-to-all over
-    the default process group.
+    token-major (nothing moves, nothing is regrouped); with several, the low-latency layer on
+    GPUs of one node when ``max_tokens`` (the most tokens a rank passes to one forward) is
+    given and its shape fits, else the eager all-to-all over the default process group.
 
     ``experts`` picks the expert compute: ``"torch"`` (batched matmuls,
     :class:`SwiGLUExperts`), ``"fused"`` (the fused Triton kernel, :class:`FusedExperts`) or
@@ -47,13 +48,15 @@ class MoELayer(nn.Module):
 
     def __init__(self, shape: MoEShape, weights: MoEWeights, *, dispatcher: Dispatcher | None = None,
                  rank: int | None = None, world_size: int | None = None, renormalize: bool = True,
-                 experts: str = "torch", kernel_config=None, combine_order: str | None = None):
+                 experts: str = "torch", kernel_config=None, combine_order: str | None = None,
+                 max_tokens: int | None = None):
         super().__init__()
         if combine_order is not None:
             check_combine_order(combine_order)
         if dispatcher is None:
             dispatcher = default_dispatcher(shape.num_experts, hidden=shape.hidden, top_k=shape.top_k,
-                                            combine_order=combine_order or "slot")
+                                            combine_order=combine_order or "slot", max_tokens=max_tokens,
+                                            dtype=weights.w13.dtype)
         given = getattr(dispatcher, "combine_order", "slot")
         if combine_order is not None and given != combine_order:
             raise ValueError(f"combine_order={combine_order!r} but the dispatcher combines in the {given!r} order; "
@@ -91,15 +94,40 @@ class MoELayer(nn.Module):
 
 
 def default_dispatcher(num_experts: int, *, hidden: int | None = None, top_k: int | None = None,
-                       combine_order: str = "slot") -> Dispatcher:
-    """The dispatcher a layer or a patched model gets when it is given none: the
-    :class:`~moekit.ep.local.LocalDispatcher` with one rank (no initialized process group, or a
-    group of one), the eager :class:`~moekit.ep.alltoall.AllToAllDispatcher` over the default
-    group with several."""
+                       combine_order: str = "slot", max_tokens: int | None = None, dtype: torch.dtype | None = None,
+                       available=None) -> Dispatcher:
+    """The dispatcher a layer or a patched model gets when it is given none.
+
+    * one rank (no initialized process group, or a group of one): the
+      :class:`~moekit.ep.local.LocalDispatcher`;
+    * several, where the low-latency layer applies — ``max_tokens`` (the most tokens a rank
+      sends per call) given, the shape within its limits
+      (:func:`moekit.ep.lowlatency.select.lowlatency_limits`) and every rank able to run its
+      GPU transport (CUDA, NCCL, symmetric memory, one node with NVLink peers:
+      :func:`~moekit.ep.lowlatency.select.lowlatency_available`, agreed by all ranks): the
+      :class:`~moekit.ep.lowlatency.EPLowLatencyAllToAll` (exact: no FP8 on the wire; every
+      layer built this way shares the process's one low-latency buffer);
+    * otherwise (CPU / gloo, several nodes, no ``max_tokens``): the eager
+      :class:`~moekit.ep.alltoall.AllToAllDispatcher` over the default group.
+
+    ``dtype``: the activations' dtype (the low-latency layer's). ``available``: the
+    capability check, ``lowlatency_available`` by default (a collective: call this on every
+    rank). Naming a dispatcher explicitly (``MoELayer(dispatcher=...)``) bypasses this."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return AllToAllDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
-    return LocalDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return LocalDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
+    from moekit.ep.lowlatency.select import lowlatency_available, lowlatency_limits
+
+    world = dist.get_world_size()
+    misfit = lowlatency_limits(world_size=world, num_experts=num_experts, hidden=hidden, top_k=top_k,
+                               max_tokens=max_tokens, dtype=dtype)
+    # The limits are the same on every rank, so the collective check runs on all or none.
+    if misfit is None and (available or lowlatency_available)():
+        from moekit.ep.lowlatency import EPLowLatencyAllToAll
+
+        return EPLowLatencyAllToAll(max_tokens, hidden, top_k, num_experts, dtype=dtype, online_fp8=False,
+                                    combine_order=combine_order)
+    return AllToAllDispatcher(num_experts, hidden=hidden, top_k=top_k, combine_order=combine_order)
 
 
 def _make_experts(kind: str, kernel_config, w13: torch.Tensor, w2: torch.Tensor, *,

@@ -42,7 +42,9 @@ def _steps(world_size: int, num_steps: int):
 def _worker(rank: int, world_size: int, num_steps: int) -> dict:
     s = sizes(world_size)
     E, M = s["num_experts"], s["max_m"]
-    layers = {name: EPLowLatencyAllToAll(M, H, K, E, fp8_group_size=GROUP, dtype=dtype, online_fp8=fp8)
+    # buffer_slot=None: a buffer per layer, so that each layer's receive buffers alternate on their own
+    layers = {name: EPLowLatencyAllToAll(M, H, K, E, fp8_group_size=GROUP, dtype=dtype, online_fp8=fp8,
+                                         buffer_slot=None)
               for name, (dtype, fp8) in MODES.items()}
     eager = AllToAllDispatcher(E)
     failures: list[str] = []

@@ -57,6 +57,7 @@ from moekit.ep.agreement import StepCheck, agree_on_config, raise_for_flagged_ra
 from moekit.ep.checks import check_bool
 from moekit.ep.dispatcher import Dispatched, DispatchHandle, validate_routing
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta
+from moekit.ep.lowlatency.pool import check_slot
 from moekit.ep.lowlatency.transport import (COMBINE_PHASES, DISPATCH_PHASES, END, POSTPROCESS, START, TOPK_REDUCE,
                                             Transport, new_stamps)
 from moekit.ep.peers import PeerGroup
@@ -128,10 +129,18 @@ class EPLowLatencyAllToAll:
     ``topk_weights`` and a ``combine(expert_out, topk_ids, topk_weights, meta)`` must pass
     the same weights.
 
+    ``buffer_slot``: the layers of one process share their receive buffers (one per slot,
+    sized by the largest layer: :mod:`moekit.ep.lowlatency.pool`); layers on one slot run
+    their exchanges one after the other, in the same order on every rank; exchanges that
+    may run at the same time (two streams) need two slots. None: a buffer of the layer's own.
+
     Results live in buffers the layer reuses: the tokens, scales, counts and meta of a
-    dispatch are valid until the next dispatch, and combine's output until the next
+    dispatch are valid until the layer's next dispatch, and combine's output until its next
     combine (the GPU transport writes them in place; copy what must live longer). Combine
-    each dispatch before the next dispatch.
+    each dispatch before the layer's next dispatch; other layers' dispatches and combines
+    may come in between (dispatch A, dispatch B, combine A, combine B). The receive views
+    (``meta.recv``'s tokens and scales) are valid until the second dispatch after this one
+    on the slot.
     """
 
     def __init__(self, max_m: int, hidden: int, topk: int, num_experts: int, rank: int | None = None,
@@ -139,7 +148,9 @@ class EPLowLatencyAllToAll:
                  dtype: torch.dtype = torch.bfloat16, online_fp8: bool = True, profile: bool = False, *,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  transport: Transport | None = None, timeout: float | None = None, combine_order: str = "slot",
-                 recv_capacity: int | None = None, spill_rows: int | None = None):
+                 recv_capacity: int | None = None, spill_rows: int | None = None, buffer_slot: int | None = 0):
+        check_slot(buffer_slot)
+        self.buffer_slot = buffer_slot
         self.peers = PeerGroup(group, owner="EPLowLatencyAllToAll")
         self.group = group
 
@@ -166,9 +177,9 @@ class EPLowLatencyAllToAll:
             local_world_size=local_world_size, fp8_group_size=fp8_group_size, dtype=dtype, online_fp8=online_fp8,
             device_type=_device_type(device, group, self.peers.distributed), placement="contiguous",
             transport="default" if transport is None else type(transport).__name__, combine_order=combine_order,
-            recv_capacity=recv_capacity, spill_rows=spill_rows), build)
-        self.transport = transport if transport is not None else make_transport(self.layout, group, self.device,
-                                                                                timeout=self.peers.timeout)
+            recv_capacity=recv_capacity, spill_rows=spill_rows, buffer_slot=buffer_slot), build)
+        self.transport = transport if transport is not None else make_transport(
+            self.layout, group, self.device, timeout=self.peers.timeout, slot=buffer_slot)
         if transport is not None:  # a transport given by the caller: this rank checks it alone
             _check_transport_options(self.layout, transport)
         L = self.layout
@@ -308,7 +319,7 @@ class EPLowLatencyAllToAll:
 
     def combine(self, expert_out: torch.Tensor, topk_ids: torch.Tensor | Dispatched,
                 topk_weights: torch.Tensor | None = None, dispatch_meta: LowLatencyMeta | Dispatched | None = None,
-                zero_copy: bool = False) -> torch.Tensor:
+                zero_copy: bool = False, *, follows_dispatch: bool | None = None) -> torch.Tensor:
         """Send expert outputs back and sum each token's K slots: ``[T, H]`` in ``dtype``.
 
         Either ``combine(expert_out, dispatched)`` (the Dispatcher protocol; routing as
@@ -321,13 +332,24 @@ class EPLowLatencyAllToAll:
         stages ``expert_out`` into a symmetric buffer first unless it is already there;
         this layer's put step reads ``expert_out`` wherever it lives and writes straight
         into the source rank's buffer, so there is no staging copy to skip.
+
+        ``follows_dispatch``: on the GPU a combine that directly follows another combine on
+        the shared buffer's slot synchronizes with every peer (:mod:`moekit.ep.lowlatency.pool`);
+        the host decides from the calls it has seen (None). True promises that when this call
+        runs — e.g. a captured graph replayed in alternation with a captured dispatch — a
+        dispatch on the slot came after the previous combine, so the synchronization is left out.
         """
         self._check_open()
-        together = getattr(self.transport, "combine_exchanges_status", False) and not (
-            isinstance(expert_out, torch.Tensor) and _capturing(expert_out))
+        if follows_dispatch is not None and not isinstance(follows_dispatch, bool):
+            raise ValueError(f"follows_dispatch must be a bool or None, got {follows_dispatch!r}")
+        shared = getattr(self.transport, "shared", None)
+        if follows_dispatch and shared is not None:
+            shared.after_combine = False
+        capturing = isinstance(expert_out, torch.Tensor) and _capturing(expert_out)  # asked once per call
+        together = getattr(self.transport, "combine_exchanges_status", False) and not capturing
         try:
             expert_out, ids, weights, meta, stamps = self._combine_args(expert_out, topk_ids, topk_weights,
-                                                                        dispatch_meta, zero_copy)
+                                                                        dispatch_meta, zero_copy, capturing)
         except ValueError as error:
             if not together:
                 raise
@@ -347,7 +369,7 @@ class EPLowLatencyAllToAll:
         self._stamp(stamps, TOPK_REDUCE, END)
         return y
 
-    def _combine_args(self, expert_out, topk_ids, topk_weights, dispatch_meta, zero_copy):
+    def _combine_args(self, expert_out, topk_ids, topk_weights, dispatch_meta, zero_copy, capturing=False):
         """combine's arguments checked (ValueError) and resolved: (expert_out, ids, weights,
         meta, stamps)."""
         L = self.layout
@@ -369,11 +391,11 @@ class EPLowLatencyAllToAll:
                                  "dispatch_meta)")
             meta, ids, weights = _meta_of(dispatch_meta), topk_ids, topk_weights
         self._check_combine_args(expert_out, ids, weights, meta)
-        if L.combine_order == "rank" and not from_dispatch and not _capturing(expert_out):
+        if L.combine_order == "rank" and not from_dispatch and not capturing:
             self._check_rank_order_weights(weights, meta)
         # Mask what dispatch masked, without reading ids on the host (ids that come from the
         # dispatch are masked already).
-        if _capturing(expert_out) and not from_dispatch:
+        if capturing and not from_dispatch:
             ids = torch.where((ids < -1) | (ids >= L.num_experts), -1, ids)
         return expert_out.contiguous(), ids, weights, meta, self._new_stamps("combine", len(COMBINE_PHASES))
 
@@ -552,9 +574,10 @@ def _check_transport_options(layout: LowLatencyLayout, transport) -> None:
 
 
 def make_transport(layout: LowLatencyLayout, group, device: torch.device, *,
-                   timeout: float | None = None) -> Transport:
+                   timeout: float | None = None, slot: int | None = 0) -> Transport:
     """Symmetric memory (Triton) for CUDA devices, gloo collectives for the CPU (``timeout``:
-    the gloo transport's bound on a wait for the peers)."""
+    the gloo transport's bound on a wait for the peers). ``slot``: the shared buffer the
+    transport's receive regions live in (:mod:`moekit.ep.lowlatency.pool`; None: its own)."""
     if device.type == "cuda":
         try:
             from moekit.ep.lowlatency.cuda import SymmMemTransport
@@ -563,9 +586,9 @@ def make_transport(layout: LowLatencyLayout, group, device: torch.device, *,
                 raise
             raise RuntimeError("the GPU transport (moekit.ep.lowlatency.cuda) is not available in this "
                                "checkout; use CPU tensors (gloo) instead") from error
-        return SymmMemTransport(layout, group, device)
+        return SymmMemTransport(layout, group, device, slot=slot)
     if device.type != "cpu":
         raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
     from moekit.ep.lowlatency.gloo import GlooTransport
 
-    return GlooTransport(layout, group, device, timeout=timeout)
+    return GlooTransport(layout, group, device, timeout=timeout, slot=slot)

@@ -3,7 +3,10 @@
 Every rank allocates one symmetric buffer (``torch.distributed._symmetric_memory``, CUDA
 backend: peer pointers over NVLink) holding, for each of two phases, the receive regions of
 the layout (:mod:`moekit.ep.lowlatency.layout`) and the combine slot rows, plus arrival
-counters. Kernels store straight into the peers' regions; no host sync, no NCCL, so a whole
+counters. The buffer and the step state (epochs, tickets) belong to a slot of the process
+(:mod:`moekit.ep.lowlatency.pool`), shared by every layer on it and laid out for the largest:
+a layer's kernels take the regions' offsets and phase sizes as arguments and use a prefix of
+each region. Kernels store straight into the peers' regions; no host sync, no NCCL, so a whole
 dispatch + combine can be captured in one CUDA graph and replayed.
 
 Two kernels per step, each one cooperative launch (every program resident at once, so a
@@ -55,7 +58,11 @@ only after it finished reading step n), so two phases are enough. The dispatch's
 are int64 and only grow: the receiver of use u of a phase waits for the value u, which no
 earlier step can reach, so a stale signal can never match. The combine's per-token
 counters get a routing-independent amount per step (W times the column blocks of a row)
-and are zeroed by the receiver one step before their next use (``_combine_kernel``).
+and are zeroed by the receiver's last program once all have arrived (``_combine_kernel``).
+Several layers may interleave on one slot (dispatch A, dispatch B, combine A, combine B):
+the phases count the slot's exchanges, not a layer's; a combine that directly follows
+another combine synchronizes with every peer (``BARRIER``), so no rank runs two combines
+ahead; the rank order's weights are copied out of the receive region when the dispatch ends.
 Replaying a captured graph keeps working because nothing is frozen on the host.
 """
 
@@ -66,6 +73,9 @@ import torch.distributed as dist
 
 from moekit.ep.agreement import STATUS_WORDS
 from moekit.ep.lowlatency.layout import LowLatencyLayout, LowLatencyMeta, RecvBuffers, rank_reduce, topk_reduce
+from moekit.ep.lowlatency.pool import (STATUS_ROW, SharedBuffer, SymmOffsets, device_key, group_key, merge_sizes,
+                                       shared_buffer, symm_region_bytes)
+from moekit.kernels import bound
 from moekit.kernels.occupancy import resident_ctas_per_sm
 
 import triton
@@ -74,9 +84,6 @@ from triton.language.extra.cuda import globaltimer
 
 MAX_PEERS = 8  # peer base pointers are kernel arguments P0..P7 (ranks of one NVLink domain)
 MAX_PROGRAMS = 1024  # the most programs of one cooperative grid
-# One row per source in a phase's status region: the step status words (moekit.ep.agreement),
-# then the masked-id flag.
-STATUS_ROW = STATUS_WORDS + 1
 # Programs per SM of the cooperative grids, at most (fewer where registers or shared memory
 # do not allow it): the put loops keep more NVLink stores in flight with more programs.
 DISPATCH_CTAS_PER_SM = 2  # 8 warps each
@@ -97,11 +104,18 @@ MAX_COMBINE_PUT_SPLIT = 4
 _ALIGN = 256
 # The combine's per-token arrival counters: int32, one per 128-byte line.
 TOK_STRIDE = tl.constexpr(32)
-# state tensor (int64, local): dispatch epoch, combine epoch, and the tickets that find the last
-# program of each kernel (2, 3) and of the dispatch's put part (4; 5 is unused since the
-# combine signals per token), the dispatch kernel's grid barrier (6: arrivals, 7: generation),
-# and the spill rounds of a bounded dispatch: their epoch (8) and tickets (9: put, 10: last)
-_STATE_SIZE = 11
+# state tensor (int64, local, one per shared buffer): dispatch epoch, combine epoch, and the
+# tickets that find the last program of each kernel (2, 3) and of the dispatch's put part (4; 5
+# is unused since the combine signals per token), the dispatch kernel's grid barrier (6:
+# arrivals, 7: generation), the spill rounds of a bounded dispatch: their epoch (8) and
+# tickets (9: put, 10: last), and the combines launched with BARRIER: their epoch (11) and
+# ticket (12)
+_STATE_SIZE = 13
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether Triton specializes ``t``'s pointer as 16-byte aligned (part of a bound launch's key)."""
+    return t.data_ptr() % 16 == 0
 
 
 def _next_pow2(n: int) -> int:
@@ -676,8 +690,8 @@ def _put_outputs(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, P
 
 
 @triton.jit
-def _put_partials(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, dphase, own_ptr,
-                  P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_W, W_PHASE,
+def _put_partials(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, wts_ptr,
+                  P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE,
                   RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                   TB: tl.constexpr, BH: tl.constexpr, SPLIT: tl.constexpr):
     """The rank order's copy_and_put for source rank d's tokens [b*TB, (b+1)*TB), column
@@ -686,10 +700,12 @@ def _put_partials(d: tl.constexpr, b, part, eo_ptr, slot_row_ptr, n_tok, phase, 
     compiled without FMA contraction, so the float32 operations are those of
     ``rank_order.partial_rows``), rounded once, stored as row (t, RANK) of rank d's partial
     rows. Tokens with no slot here store nothing (the token's rank does not read that row).
-    The weights are the ones d sent with its dispatch (phase ``dphase`` of this buffer)."""
+    The weights are the ones d sent with its dispatch (``wts_ptr``: the layer's copy of them,
+    ``[W, M, K]`` float32, taken when the dispatch ended: the shared receive region may have
+    served other layers' dispatches since)."""
     t = b * TB + tl.arange(0, TB)
     live = t < n_tok
-    wts = _region(own_ptr, OFF_W, dphase, W_PHASE, tl.float32)
+    wts = wts_ptr
     p_dst = _region(_peer(d, P0, P1, P2, P3, P4, P5, P6, P7), OFF_C, phase, C_PHASE, eo_ptr.dtype.element_ty)
     NBH: tl.constexpr = (H + BH - 1) // BH
     for j in tl.static_range((NBH + SPLIT - 1) // SPLIT):
@@ -782,11 +798,43 @@ def _wait_token(own_ptr, OFF_TOK, phase, TOK_PHASE, t, EXPECTED: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_ptr, out_ptr, T, state_ptr,
-                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_TOK, TOK_PHASE, OFF_W, W_PHASE,
+def _signal_barrier(state_ptr, bepoch, OFF_CCNT, P0, P1, P2, P3, P4, P5, P6, P7, RANK: tl.constexpr,
+                    W: tl.constexpr, NPROG):
+    """A BARRIER combine's arrival signal: after every program's stores (fenced at system
+    scope), the last program (ticket 12) raises this source's combine counter of phase
+    ``bepoch & 1`` on every rank and advances the barrier epoch (state 11; every program read
+    it before taking its ticket)."""
+    _fence_system()
+    ticket = tl.atomic_add(state_ptr + 12, 1, sem="acq_rel", scope="gpu")
+    if ticket == NPROG - 1:
+        tl.store(state_ptr + 12, 0)
+        for d in tl.static_range(W):
+            base = _peer(d, P0, P1, P2, P3, P4, P5, P6, P7)
+            cnt = (base + OFF_CCNT).to(tl.pointer_type(tl.int64)) + (bepoch & 1) * W + RANK
+            tl.atomic_add(cnt, 1, sem="release", scope="sys")
+        tl.store(state_ptr + 11, bepoch + 1)
+
+
+@triton.jit
+def _last_combine_program(state_ptr, epoch, own_ptr, OFF_TOK, phase, TOK_PHASE, T, NPROG):
+    """The last program of the combine (ticket 3), after every program's waits: zero this
+    phase's token counters of this step's T tokens, then advance the combine epoch."""
+    ticket = tl.atomic_add(state_ptr + 3, 1, sem="acq_rel", scope="gpu")
+    if ticket == NPROG - 1:
+        for z0 in range(0, T, 1024):
+            tt = z0 + tl.arange(0, 1024)
+            tl.store(_token_counter(own_ptr, OFF_TOK, phase, TOK_PHASE, tt), 0, mask=tt < T)
+        tl.store(state_ptr + 3, 0)
+        tl.store(state_ptr + 1, epoch + 1)
+
+
+@triton.jit
+def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_ptr, wrecv_ptr, out_ptr, T, state_ptr,
+                    stamps_ptr, P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_TOK, TOK_PHASE, OFF_CCNT,
                     RANK: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, H: tl.constexpr,
                     K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, TB: tl.constexpr, BH_PUT: tl.constexpr,
-                    BH: tl.constexpr, PUT_SPLIT: tl.constexpr, BY_RANK: tl.constexpr, PROFILE: tl.constexpr):
+                    BH: tl.constexpr, PUT_SPLIT: tl.constexpr, BY_RANK: tl.constexpr, PROFILE: tl.constexpr,
+                    BARRIER: tl.constexpr):
     """The whole combine in one cooperative launch: copy_and_put over units (source rank,
     TB tokens, column share), then the per-token arrival signals (one fence per program, then
     one counter add per token of its units, on the token's rank), then topk_reduce over units
@@ -798,28 +846,33 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
     one row per slot (:func:`_put_partials`), and the reduce adds the ranks' partials
     (:func:`_reduce_ranks`); the signals are the same.
 
-    Token counters of a phase are zeroed by program 0 of the combine before, which uses the
-    other phase: the last reads of them were in that rank's previous combine, and no peer adds
-    to them again before this rank's next dispatch, which a later kernel sends."""
+    The token counters of this phase are zeroed by the last program, once every program has
+    waited for its tokens (every peer's adds of this step have landed: a token's counter
+    reaches its value only when all have). No peer adds to them again before this rank has
+    finished: the next use of this phase is two combines later on the slot, and between the
+    two there is either a dispatch (which no peer finishes before this rank sends it, after
+    this kernel) or a combine launched with BARRIER. The shared buffer launches a combine
+    that directly follows another combine with BARRIER: every program signals the combine's
+    own counters on every peer (like the dispatch) and program 0 waits for every source's,
+    so no rank finishes it before every rank has started it. (Without it a rank with no
+    tokens, which waits for nothing, could run two combines ahead.)"""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + 1)
     phase = epoch & 1
-    if pid == 0:
-        tt = tl.arange(0, MP)
-        tl.store(_token_counter(own_ptr, OFF_TOK, 1 - phase, TOK_PHASE, tt), 0, mask=tt < M)
+    if BARRIER:
+        bepoch = tl.load(state_ptr + 11)
     if PROFILE:
         t0 = globaltimer()
     NBH: tl.constexpr = (H + BH_PUT - 1) // BH_PUT
-    dphase = (tl.load(state_ptr + 0) - 1) & 1  # the phase of the dispatch this combine answers
     u = pid  # the unit index, relative to the current source's first unit
     for d in tl.static_range(W):
         n_tok = tl.load(num_tokens_ptr + d)
         units = (n_tok + TB - 1) // TB * PUT_SPLIT
         while u < units:
             if BY_RANK:
-                _put_partials(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase, dphase, own_ptr,
-                              P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE, OFF_W, W_PHASE,
+                _put_partials(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase, wrecv_ptr,
+                              P0, P1, P2, P3, P4, P5, P6, P7, OFF_C, C_PHASE,
                               RANK, W, M, H, K, TB, BH_PUT, PUT_SPLIT)
             else:
                 _put_outputs(d, u // PUT_SPLIT, u % PUT_SPLIT, eo_ptr, slot_row_ptr, n_tok, phase,
@@ -839,6 +892,8 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
                            OFF_TOK, TOK_PHASE, NBH, TB, PUT_SPLIT)
             u += nprog
         u -= units
+    if BARRIER:
+        _signal_barrier(state_ptr, bepoch, OFF_CCNT, P0, P1, P2, P3, P4, P5, P6, P7, RANK, W, nprog)
     HB: tl.constexpr = (H + BH - 1) // BH
     if pid < T * HB:
         if PROFILE:
@@ -862,7 +917,10 @@ def _combine_kernel(eo_ptr, slot_row_ptr, num_tokens_ptr, own_ptr, ids_ptr, w_pt
             t2 = t1 + t_wait
             _stamp_range(stamps_ptr, 1, t1, t2)
             _stamp_range(stamps_ptr, 2, t2, globaltimer())
-    _last_program_advances(state_ptr, epoch, 1, 3, nprog)
+    if BARRIER:
+        if pid == 0:
+            _wait_all_sources(own_ptr, OFF_CCNT, bepoch & 1, bepoch, W)
+    _last_combine_program(state_ptr, epoch, own_ptr, OFF_TOK, phase, TOK_PHASE, T, nprog)
 
 
 class SymmMemTransport:
@@ -879,9 +937,8 @@ class SymmMemTransport:
     combine_orders = ("slot", "rank")
     bounded_receive = True  # layout.recv_capacity < max_m: spill rounds (_spill_kernel)
 
-    def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None):
-        import torch.distributed._symmetric_memory as symm_mem
-
+    def __init__(self, layout: LowLatencyLayout, group=None, device: torch.device | str | None = None, *,
+                 slot: int | None = 0):
         if layout.world_size > MAX_PEERS:
             raise ValueError(f"SymmMemTransport supports world_size <= {MAX_PEERS} (one NVLink domain), "
                              f"got {layout.world_size}")
@@ -896,46 +953,18 @@ class SymmMemTransport:
         W, M, H, K, EL = L.world_size, L.max_m, L.hidden, L.topk, L.experts_per_rank
         self.quant = L.online_fp8
         self.by_rank = L.combine_order == "rank"
-        x_elem = 1 if self.quant else L.dtype.itemsize
         ng = L.num_groups if self.quant else 0
-        # Region sizes of one phase, and the byte offset of each region's phase 0. The token
-        # rows hold C = recv_rows per source (max_m unless bounded), and a bounded layout adds
-        # a spill region of S rows per source. The combine region holds K slot rows per token,
-        # or in the rank order one partial row per (token, rank); only the rank order sends
-        # weights.
         self.bounded = L.bounded
-        C, S = L.recv_rows, max(L.spill_rows_per_round, 1)
-        self.x_phase = _round_up(W * C * H * x_elem)
-        self.s_phase = _round_up(max(W * C * ng * 4, 1))
-        self.sx_phase = _round_up(W * S * H * x_elem if self.bounded else 1)
-        self.ss_phase = _round_up(max(W * S * ng * 4, 1) if self.bounded else 1)
-        self.i_phase = _round_up(W * M * K * 4)
-        self.t_phase = _round_up(W * 4)
-        self.w_phase = _round_up(W * M * K * 4 if self.by_rank else 1)
-        self.st_phase = _round_up(W * STATUS_ROW * 8)
-        self.c_phase = _round_up(M * (W if self.by_rank else K) * H * L.dtype.itemsize)
-        self.off_x = 0
-        self.off_s = self.off_x + 2 * self.x_phase
-        self.off_i = self.off_s + 2 * self.s_phase
-        self.off_t = self.off_i + 2 * self.i_phase
-        self.off_w = self.off_t + 2 * self.t_phase
-        self.off_st = self.off_w + 2 * self.w_phase
-        self.off_c = self.off_st + 2 * self.st_phase
-        self.tok_phase = _round_up(M * TOK_STRIDE.value * 4)
-        self.off_dcnt = self.off_c + 2 * self.c_phase
-        self.off_tok = self.off_dcnt + _round_up(2 * W * 8)
-        self.off_sx = self.off_tok + 2 * self.tok_phase
-        self.off_ss = self.off_sx + 2 * self.sx_phase
-        self.off_scnt = self.off_ss + 2 * self.ss_phase
-        self.nbytes = self.off_scnt + _round_up(2 * W * 8)
-
-        self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        self._buf.zero_()
-        # (torch >= 2.11 needs no enable_symm_mem_for_group first: it is deprecated there.)
-        self._handle = symm_mem.rendezvous(self._buf, self.group.group_name)
-        self._peers = [self._handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(W)]
-        self._peer_args = self._peers + [self._buf] * (MAX_PEERS - W)
-        self._state = torch.zeros(_STATE_SIZE, dtype=torch.int64, device=self.device)
+        # The receive regions live in the slot's shared symmetric buffer (moekit.ep.lowlatency.pool),
+        # laid out for the largest layer on the slot; this layer uses a prefix of each region.
+        # Reserving room may grow the buffer: a collective (every rank builds the same layers).
+        self.slot = slot
+        if slot is None:
+            self.shared = SymmSharedBuffer(None, self.group, self.device, W)
+        else:
+            key = ("symm", group_key(self.group), device_key(self.device), W, slot)
+            self.shared = shared_buffer(key, lambda: SymmSharedBuffer(key, self.group, self.device, W))
+        self.shared.reserve(symm_region_bytes(L))
 
         dev = self.device
         self.tokens = torch.empty(EL, L.capacity, H, dtype=L.wire_dtype, device=dev)
@@ -967,36 +996,66 @@ class SymmMemTransport:
         self.stream_pos = torch.zeros(W * M if self.bounded else 1, dtype=torch.int32, device=dev)
         self.overflow = torch.zeros(W, dtype=torch.int64, device=dev)
         self.rounds = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._calls = 0
+        # combine_order="rank": the weights the sources sent, copied out of the shared receive
+        # region when the dispatch ends (the combine reads them after other layers' exchanges).
+        self.w_local = torch.zeros(W, M, K, dtype=torch.float32, device=dev) if self.by_rank else None
         self._no_stamps = torch.zeros(8, dtype=torch.int64, device=dev)
         self._pending = None  # combine's arguments, until topk_reduce launches the combine kernel
         # Launch shapes. The grids are cooperative (every program resident at once): as many
         # programs as the units of work, at most what the SMs hold (``_cooperative_grid``).
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._per_sm: dict[tuple, int] = {}
+        self._dispatch_plans: dict[tuple, tuple] = {}  # launch constants and grid per T (_dispatch_plan)
+        self._combine_plans: dict[tuple, tuple] = {}
         self.tokens_per_out = max(1, 8 // _next_pow2(K))  # 8 (token, slot) entries per put unit
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)
+
+    # The shared buffer's parts, under the names probes and tests read.
+    @property
+    def _buf(self) -> torch.Tensor:
+        return self.shared.buf
+
+    @property
+    def _state(self) -> torch.Tensor:
+        return self.shared.state
+
+    @property
+    def _peer_args(self) -> list:
+        return self.shared.peer_args
+
+    @property
+    def off_dcnt(self) -> int:
+        return self.shared.off["dcnt"]
+
+    @property
+    def off_tok(self) -> int:
+        return self.shared.off["tok"]
+
+    @property
+    def tok_phase(self) -> int:
+        return self.shared.sizes["tok"]
 
     # ------------------------------------------------------------------ views
     def _recv_view(self, phase: int) -> RecvBuffers:
         L = self.layout
         W, M, H, K = L.world_size, L.max_m, L.hidden, L.topk
 
-        def region(off, nbytes, dtype, shape):
-            return self._buf[off: off + nbytes].view(dtype).view(shape)
+        b = self.shared
+
+        def region(name, nbytes, dtype, shape):
+            off = b.off[name] + phase * b.sizes[name]
+            return b.buf[off: off + nbytes].view(dtype).view(shape)
 
         x_elem = 1 if self.quant else L.dtype.itemsize
         C = L.recv_rows
-        x = region(self.off_x + phase * self.x_phase, W * C * H * x_elem, L.wire_dtype, (W, C, H))
-        scales = (region(self.off_s + phase * self.s_phase, W * C * L.num_groups * 4, torch.float32,
+        x = region("x", W * C * H * x_elem, L.wire_dtype, (W, C, H))
+        scales = (region("s", W * C * L.num_groups * 4, torch.float32,
                          (W, C, L.num_groups)) if self.quant else None)
-        ids = region(self.off_i + phase * self.i_phase, W * M * K * 4, torch.int32, (W, M, K))
-        num = region(self.off_t + phase * self.t_phase, W * 4, torch.int32, (W,))
-        status = region(self.off_st + phase * self.st_phase, W * STATUS_ROW * 8, torch.int64,
-                        (W, STATUS_ROW))[:, :STATUS_WORDS]
-        weights = (region(self.off_w + phase * self.w_phase, W * M * K * 4, torch.float32, (W, M, K))
-                   if self.by_rank else None)
+        ids = region("i", W * M * K * 4, torch.int32, (W, M, K))
+        num = region("t", W * 4, torch.int32, (W,))
+        status = region("st", W * STATUS_ROW * 8, torch.int64, (W, STATUS_ROW))[:, :STATUS_WORDS]
+        weights = self.w_local
         bounded = dict(overflow=self.overflow, spill_rounds=self.rounds[0]) if self.bounded else {}
         return RecvBuffers(x=x, scales=scales, ids=ids, num_tokens=num, status=status, weights=weights, **bounded)
 
@@ -1038,15 +1097,42 @@ class SymmMemTransport:
             stamps[:, 0] = torch.iinfo(torch.int64).max
             stamps[:, 1] = 0
         st = stamps if profile else self._no_stamps
-        ng = L.num_groups if self.quant else 1
         m = self.meta
         tsc = self.token_scales if self.quant else self.tokens
-        offsets = (self.off_x, self.x_phase, self.off_s, self.s_phase, self.off_i, self.i_phase,
-                   self.off_t, self.t_phase, self.off_w, self.w_phase, self.off_st, self.st_phase, self.off_dcnt)
-        args = (x, topk_ids, weights, status, self.ids, self.invalid_ranks, self.invalid, T, num_experts, self._buf,
-                self._state, st,
+        b = self.shared
+        phase = b.note_dispatch()
+        args = (x, topk_ids, weights, status, self.ids, self.invalid_ranks, self.invalid, T, num_experts, b.buf,
+                b.state, st,
                 self.tokens, tsc, m.counts, m.src_rank, m.src_token, m.src_slot, m.slot_bits, m.layout_range,
-                m.row_index, m.num_tokens, m.slot_row, *self._peer_args, *offsets)
+                m.row_index, m.num_tokens, m.slot_row, *b.peer_args, *b.dispatch_offsets)
+        # The launch's constants and grid depend on T, profiling and the input dtypes only:
+        # computed once per such key, not per call (the eager host path).
+        plan_key = (T, profile, topk_ids.dtype, weights.dtype)
+        plan = self._dispatch_plans.get(plan_key)
+        if plan is None:
+            plan = self._dispatch_plans[plan_key] = self._dispatch_plan(T, profile, topk_ids.dtype, weights.dtype,
+                                                                        args)
+        kwargs, grid, ps = plan
+        # Bound launch (moekit.kernels.bound): after the first call of a key, straight from the
+        # binary, without Triton's per-call binding. The key holds everything the binary's
+        # specialization depends on: the layout and plan (constexprs, T), the ids bound, and the
+        # 16-byte alignment of the tensors the caller passes (the layer's own are fresh allocations).
+        key = ("ll-dispatch", L, plan_key, num_experts, _aligned(x), _aligned(topk_ids), _aligned(weights),
+               _aligned(status), _aligned(st))
+        with bound.call(key):
+            bound.launch(_dispatch_kernel, (grid,), *args, **kwargs)
+        if self.bounded:
+            self._spill_rounds(x, topk_ids, T, num_experts, ps)
+        if self.by_rank:
+            self._keep_weights()
+        recv = self._recv_view(phase)
+        self.meta.recv = recv
+        return recv, self.ids[:T], self.invalid
+
+    def _dispatch_plan(self, T: int, profile: bool, ids_dtype, w_dtype, args: tuple) -> tuple[dict, int, int]:
+        """(kwargs, grid, put split) of the dispatch kernel for this T."""
+        L = self.layout
+        ng = L.num_groups if self.quant else 1
         ps = _dispatch_put_split(T, L.experts_per_rank, ng if self.quant else triton.cdiv(L.hidden, 128))
         kwargs = dict(MP=_next_pow2(L.max_m), HSP=_next_pow2(triton.cdiv(L.hidden, ps)), KP=_next_pow2(L.topk),
                       G=L.group_size if self.quant else 1, NG=ng, NGP=_next_pow2(ng),
@@ -1066,15 +1152,20 @@ class SymmMemTransport:
         # Rows per copy step: 16 in an expert's own program (8 there made postprocess slower:
         # docs/lowlatency.md); 8 per unit of the split copy.
         kwargs.update(SPLIT_COPY=split, ROWS=8 if split else 16)
-        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps, topk_ids.dtype, weights.dtype),
+        grid = self._cooperative_grid(_dispatch_kernel, (profile, T, split, ps, ids_dtype, w_dtype),
                                       DISPATCH_CTAS_PER_SM, units, args, kwargs)
-        _dispatch_kernel[(grid,)](*args, **kwargs)
-        if self.bounded:
-            self._spill_rounds(x, topk_ids, T, num_experts, ps)
-        recv = self._recv_view(self._calls % 2)
-        self._calls += 1
-        self.meta.recv = recv
-        return recv, self.ids[:T], self.invalid
+        return kwargs, grid, ps
+
+    def _keep_weights(self) -> None:
+        """Copy the routing weights every source sent with this dispatch out of the shared
+        region into the layer's own (``w_local``; rank order). The phase is read on the device
+        (the epoch the dispatch kernel advanced), so a graph replay copies the right one."""
+        b = self.shared
+        L = self.layout
+        nbytes = L.world_size * L.max_m * L.topk * 4
+        region = b.buf[b.off["w"]: b.off["w"] + 2 * b.sizes["w"]].view(2, b.sizes["w"])
+        phase = torch.bitwise_and(b.state[0:1] - 1, 1)
+        self.w_local.view(-1).view(torch.uint8).copy_(region.index_select(0, phase)[0, :nbytes])
 
     def _spill_rounds(self, x: torch.Tensor, topk_ids: torch.Tensor, T: int, num_experts: int, ps: int) -> None:
         """Launch the spill rounds of a bounded dispatch (``_spill_kernel``): as many as the step
@@ -1090,9 +1181,10 @@ class SymmMemTransport:
                       NGSP=_next_pow2(triton.cdiv(ng, ps)), QUANT=self.quant, C=L.recv_rows, S=S,
                       BH=min(1024 if self.quant else 512, _next_pow2(L.hidden)), PUT_SPLIT=ps,
                       num_warps=8, launch_cooperative_grid=True, **self._consts())
-        args = [0, x, topk_ids, T, num_experts, self._buf, self._state, self.rounds, self.stream_pos,
-                self.meta.num_tokens, self.meta.slot_row, self.tokens, tsc, *self._peer_args,
-                self.off_sx, self.sx_phase, self.off_ss, self.ss_phase, self.off_scnt]
+        b = self.shared
+        args = [0, x, topk_ids, T, num_experts, b.buf, b.state, self.rounds, self.stream_pos,
+                self.meta.num_tokens, self.meta.slot_row, self.tokens, tsc, *b.peer_args,
+                b.off["sx"], b.sizes["sx"], b.off["ss"], b.sizes["ss"], b.off["scnt"]]
         units = max(T * ps, L.world_size * L.max_m)
         # Sized (and compiled) on every call, so that an eager warm-up compiles what a capture
         # launches later.
@@ -1141,24 +1233,40 @@ class SymmMemTransport:
             raise ValueError(f"out_dtype must be the layer's dtype {L.dtype}, got {out_dtype}")
         ids = topk_ids.contiguous()  # int32/int64 and float weights of any kind: cast in the kernel
         w = topk_weights.contiguous()
-        bh = min(1024, _next_pow2(L.hidden))
         profile = st is not self._no_stamps
-        args = (expert_out, meta.slot_row, meta.num_tokens, self._buf, ids, w, self.out, T, self._state, st,
-                *self._peer_args, self.off_c, self.c_phase, self.off_tok, self.tok_phase, self.off_w, self.w_phase)
+        b = self.shared
+        _, barrier = b.note_combine()
+        wrecv = self.w_local if self.by_rank else self._no_weights
+        args = (expert_out, meta.slot_row, meta.num_tokens, b.buf, ids, w, wrecv, self.out, T, b.state, st,
+                *b.peer_args, b.off["c"], b.sizes["c"], b.off["tok"], b.sizes["tok"], b.off["ccnt"])
+        plan_key = (T, profile, ids.dtype, w.dtype, barrier)
+        plan = self._combine_plans.get(plan_key)
+        if plan is None:
+            plan = self._combine_plans[plan_key] = self._combine_plan(T, profile, ids.dtype, w.dtype, barrier, args)
+        kwargs, grid = plan
+        key = ("ll-combine", L, plan_key, _aligned(expert_out), _aligned(ids), _aligned(w), _aligned(st))
+        with bound.call(key):
+            bound.launch(_combine_kernel, (grid,), *args, **kwargs)
+        return self.out[:T]
+
+    def _combine_plan(self, T: int, profile: bool, ids_dtype, w_dtype, barrier: bool, args: tuple) -> tuple[dict, int]:
+        """(kwargs, grid) of the combine kernel for this T."""
+        L = self.layout
+        bh = min(1024, _next_pow2(L.hidden))
         bh_put = min(1024, _next_pow2(L.hidden))
         ps = _combine_put_split(L.world_size * triton.cdiv(T, self.tokens_per_out), triton.cdiv(L.hidden, bh_put),
                                 self.sms * COMBINE_CTAS_PER_SM)
         kwargs = dict(RANK=L.rank, W=L.world_size, M=L.max_m, MP=_next_pow2(L.max_m), H=L.hidden, K=L.topk,
                       KP=_next_pow2(L.topk), EL=L.experts_per_rank, TB=self.tokens_per_out, BH_PUT=bh_put, BH=bh,
-                      PUT_SPLIT=ps, BY_RANK=self.by_rank, PROFILE=profile, num_warps=4, enable_fp_fusion=False, launch_cooperative_grid=True)
+                      PUT_SPLIT=ps, BY_RANK=self.by_rank, PROFILE=profile, BARRIER=barrier, num_warps=4,
+                      enable_fp_fusion=False, launch_cooperative_grid=True)
         # Units: (source rank, tokens, column share) to put, then (token, columns) to sum. The
         # peers' token counts are on the device only; size the put part for this rank's T (a
         # peer that sent more is served by the same programs looping further).
         puts = L.world_size * triton.cdiv(T, self.tokens_per_out) * ps
-        grid = self._cooperative_grid(_combine_kernel, (profile, T, ids.dtype, w.dtype, ps), COMBINE_CTAS_PER_SM,
-                                      max(puts, T * triton.cdiv(L.hidden, bh)), args, kwargs)
-        _combine_kernel[(grid,)](*args, **kwargs)
-        return self.out[:T]
+        grid = self._cooperative_grid(_combine_kernel, (profile, T, ids_dtype, w_dtype, ps, barrier),
+                                      COMBINE_CTAS_PER_SM, max(puts, T * triton.cdiv(L.hidden, bh)), args, kwargs)
+        return kwargs, grid
 
     def _cooperative_grid(self, kernel, key: tuple, cap: int, units: int, args: tuple, kwargs: dict) -> int:
         """min(units, what the SMs hold of ``kernel`` compiled for these arguments, at most
@@ -1178,11 +1286,72 @@ class SymmMemTransport:
             _stamp_now[(1,)](stamps, 2 * index + which)
 
     def close(self) -> None:
-        """Release the symmetric buffer (after a barrier, so no peer still writes into it)."""
-        if self._buf is None:
+        """Leave the shared buffer (after a barrier, so no peer still writes into it); the
+        last layer of a slot frees it."""
+        if self.shared is None:
             return
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        self._peers = self._peer_args = None
-        self._handle = None
-        self._buf = None
+        self.shared.release()
+        self.shared = None
+
+
+class SymmSharedBuffer(SharedBuffer):
+    """One slot's symmetric buffer and step state (moekit.ep.lowlatency.pool), shared by the
+    transports of every layer on the slot.
+
+    ``buf``: this rank's symmetric buffer (uint8), ``peer_args``: the peers' base tensors as
+    the kernels take them (P0..P7), ``state``: the epochs and tickets (``_STATE_SIZE`` int64,
+    local), ``off`` / ``sizes``: each region's offset (phase 0) and phase bytes.
+
+    :meth:`reserve` is a collective: every rank all-reduces (max) the region sizes the new
+    layer needs; if they exceed the buffer's, every rank waits for its device and the
+    peers, allocates the larger buffer, exchanges it (rendezvous), zeroes it, resets the
+    step state and frees the old one. Captured CUDA graphs that used the old buffer are
+    stale then: build the layers before capturing.
+    """
+
+    def __init__(self, key, group, device: torch.device, world_size: int):
+        super().__init__(key)
+        self.group, self.device, self.world_size = group, device, world_size
+        self.buf = None
+        self.nbytes = 0
+        self.state = torch.zeros(_STATE_SIZE, dtype=torch.int64, device=device)
+        self.off: dict[str, int] = {}
+        self.peer_args: list = []
+        self.dispatch_offsets: tuple = ()
+
+    def reserve(self, sizes: dict[str, int]) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        names = sorted(sizes)
+        want = torch.tensor([merge_sizes(self.sizes, sizes)[n] for n in names], dtype=torch.int64,
+                            device=self.device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=self.group)  # every rank grows to the same size
+        agreed = dict(zip(names, (int(v) for v in want.tolist())))
+        if agreed != self.sizes:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)  # nobody still reads or writes the old buffer
+            layout = SymmOffsets.of(agreed)
+            self.buf = self.peer_args = self._handle = None
+            buf = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            buf.zero_()
+            # (torch >= 2.11 needs no enable_symm_mem_for_group first: it is deprecated there.)
+            self._handle = symm_mem.rendezvous(buf, self.group.group_name)
+            peers = [self._handle.get_buffer(r, (layout.nbytes,), torch.uint8) for r in range(self.world_size)]
+            self.buf, self.nbytes, self.sizes, self.off = buf, layout.nbytes, agreed, layout.offsets
+            self.peer_args = peers + [buf] * (MAX_PEERS - self.world_size)
+            o, z = self.off, self.sizes
+            self.dispatch_offsets = (o["x"], z["x"], o["s"], z["s"], o["i"], z["i"], o["t"], z["t"], o["w"], z["w"],
+                                     o["st"], z["st"], o["dcnt"])
+            self.state.zero_()
+            self.dispatch_calls = self.combine_calls = 0
+            self.after_combine = False
+            self.generation += 1
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        self.users += 1
+
+    def free(self) -> None:
+        self.buf = self._handle = None
+        self.peer_args = []

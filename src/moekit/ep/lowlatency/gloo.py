@@ -27,8 +27,11 @@ are the layout's receive regions (:meth:`LowLatencyLayout.receive_region_bytes`)
   sender's step status (``STATUS_WORDS`` int64), so a rank with bad combine arguments still
   sends a well-formed (all NaN) message that tells every peer, and all ranks raise together.
 
-Buffers are allocated once per phase (two phases, alternating like the GPU double buffer),
-so a :class:`RecvBuffers` stays valid until the same phase is used again, two calls later.
+The messages are allocated once per phase (two phases, alternating like the GPU double
+buffer) in the slot's shared buffer (:mod:`moekit.ep.lowlatency.pool`), sized by the largest
+layer on the slot and used by all of them in turn, so a :class:`RecvBuffers`' tokens stay
+valid until the same phase is used again, two dispatches later on the slot; its routing
+rows, weights, counts and statuses are the layer's own copies (its combine reads them).
 Bytes are copied, never converted, so results are bitwise those of the reference.
 """
 
@@ -44,6 +47,7 @@ from moekit.ep.lowlatency import layout as _layout
 from moekit.ep.lowlatency.layout import (LowLatencyLayout, LowLatencyMeta, RecvBuffers, bits_view, destinations,
                                          fan_out_window, rank_partials, received_streams, spill_rounds, stream_counts,
                                          window_tokens)
+from moekit.ep.lowlatency.pool import SharedBuffer, device_key, group_key, merge_sizes, shared_buffer
 from moekit.ep.lowlatency.transport import (COPY_AND_PUT, COUNT_PUT, END, QUANT_AND_PUT, RECV_WAIT, START, WAIT,
                                             TransportDefaults, host_stamp)
 from moekit.ep.peers import PeerGroup
@@ -99,7 +103,7 @@ class GlooTransport(TransportDefaults):
     bounded_receive = True  # layout.recv_capacity < max_m: spill rounds
 
     def __init__(self, layout: LowLatencyLayout, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", *, timeout: float | None = None):
+                 device: torch.device | str = "cpu", *, timeout: float | None = None, slot: int | None = None):
         self.layout, self.group, self.device = layout, group, torch.device(device)
         self.peers = PeerGroup(group, timeout, owner="EPLowLatencyAllToAll")
         world, rank = self.peers.world_size, self.peers.rank
@@ -116,22 +120,25 @@ class GlooTransport(TransportDefaults):
         self._spill = _Rows(L, L.spill_rows_per_round, 0)
         self.message_bytes = self._main.offset + self._main.nbytes
         P, dev = L.world_size, self.device
-        self._send = [torch.zeros(P, self.message_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-        self._recv = [torch.zeros(P, self.message_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-        self._spill_send = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-        self._spill_recv = [torch.zeros(P, self._spill.nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
         # Combine message: the step status (int64 words), then the rows ([max_m, K, H] or [max_m, H]).
         per_token = (L.topk,) if L.combine_order == "slot" else ()
         self._combine_rows = (L.max_m, *per_token, L.hidden)
         self._combine_bytes = STATUS_WORDS * 8 + _aligned(L.max_m * math.prod(per_token) * L.hidden * L.dtype.itemsize)
-        self._combine_messages = [[torch.zeros(P, self._combine_bytes, dtype=torch.uint8, device=dev)
-                                   for _ in range(2)] for _ in range(2)]  # [phase][send, receive]
-        # The rows segments (typed views): what combine_order="rank" makes K times smaller.
-        self._combine_send = [self._combine_segments(send)[1] for send, _ in self._combine_messages]
-        self._combine_recv = [self._combine_segments(recv)[1] for _, recv in self._combine_messages]
+        # The messages live in the slot's shared buffer (moekit.ep.lowlatency.pool), sized by the
+        # largest layer on it; this layer uses a prefix of each. What outlives the exchange (the
+        # routing rows and weights this layer's combine reads) is copied into the layer's own.
+        self.slot = slot
+        sizes = dict(msg=self.message_bytes, spill=self._spill.nbytes, comb=self._combine_bytes)
+        if slot is None:
+            self.shared = GlooSharedBuffer(None, P, dev)
+        else:
+            key = ("gloo", group_key(group), device_key(dev), P, slot)
+            self.shared = shared_buffer(key, lambda: GlooSharedBuffer(key, P, dev))
+        self.shared.reserve(sizes)
+        self._ids_local = torch.zeros(P, L.max_m, L.topk, dtype=torch.int32, device=dev)
+        self._weights_local = (torch.zeros(P, L.max_m, L.topk, dtype=torch.float32, device=dev)
+                               if self._weight_bytes else None)
         self._built: tuple[RecvBuffers, LowLatencyMeta, torch.Tensor, torch.Tensor | None] | None = None
-        self._dispatch_calls = 0
-        self._combine_calls = 0
         self._closed = False
 
     # -- message segments (typed views of a [P, message_bytes] byte buffer) ------------------
@@ -149,6 +156,11 @@ class GlooTransport(TransportDefaults):
         x, scales = self._main.views(buf)
         return count, status, ids, weights, x, scales
 
+    @property
+    def _combine_recv(self) -> list[torch.Tensor]:
+        """The rows segment of each phase's combine receive message (typed views)."""
+        return [self._combine_segments(self.shared.view("comb_recv", p, self._combine_bytes))[1] for p in (0, 1)]
+
     def _exchange(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
         self.peers.all_to_all(out, inp, what=what)
 
@@ -165,10 +177,10 @@ class GlooTransport(TransportDefaults):
         (``[T, K]``, the rank order only) travel beside the ids."""
         self._check_open()
         L = self.layout
-        phase = self._dispatch_calls % 2
-        self._dispatch_calls += 1
+        phase = self.shared.note_dispatch()
         T, P, M = x.shape[0], L.world_size, L.max_m
-        send, recv = self._send[phase], self._recv[phase]
+        send, recv = self.shared.view("send", phase, self.message_bytes), self.shared.view("recv", phase,
+                                                                                          self.message_bytes)
         count, status_out, ids, weights_out, xs, scales = self._segments(send)
 
         host_stamp(stamps, QUANT_AND_PUT, START)
@@ -209,8 +221,13 @@ class GlooTransport(TransportDefaults):
 
         host_stamp(stamps, WAIT, START)  # gloo returned: everything has arrived
         r_count, r_status, r_ids, r_weights, r_x, r_scales = self._segments(recv)
-        received = RecvBuffers(x=r_x, scales=r_scales, ids=r_ids, num_tokens=r_count,
-                               status=None if status is None else r_status, weights=r_weights)
+        # The routing rows and weights are read again by this layer's combine, after other
+        # layers may have reused the shared messages: the layer keeps its own copy.
+        self._ids_local.copy_(r_ids)
+        if r_weights is not None:
+            self._weights_local.copy_(r_weights)
+        received = RecvBuffers(x=r_x, scales=r_scales, ids=self._ids_local, num_tokens=r_count.clone(),
+                               status=None if status is None else r_status.clone(), weights=self._weights_local)
         host_stamp(stamps, WAIT, END)
         self._built = None
         if L.bounded:
@@ -256,7 +273,8 @@ class GlooTransport(TransportDefaults):
         recv.overflow = (counts[:, L.rank] - L.recv_rows).clamp(min=0)
         recv.spill_rounds = rounds = int(spill_rounds(counts, L))  # gloo runs on the host anyway
         S = L.spill_rows_per_round
-        send, into = self._spill_send[phase], self._spill_recv[phase]
+        send, into = (self.shared.view("spill_send", phase, self._spill.nbytes),
+                      self.shared.view("spill_recv", phase, self._spill.nbytes))
         for r in range(rounds):
             first = L.recv_rows + r * S
             xs, x_scales = self._spill.views(send)
@@ -296,9 +314,9 @@ class GlooTransport(TransportDefaults):
         ``status``: it sends NaN rows and gets no rows back (None), only the statuses."""
         self._check_open()
         L = self.layout
-        phase = self._combine_calls % 2
-        self._combine_calls += 1
-        send_buf, recv_buf = self._combine_messages[phase]
+        phase, _ = self.shared.note_combine()  # gloo's collectives order the steps: no extra sync needed
+        send_buf = self.shared.view("comb_send", phase, self._combine_bytes)
+        recv_buf = self.shared.view("comb_recv", phase, self._combine_bytes)
         status_out, send = self._combine_segments(send_buf)
         r_status, recv = self._combine_segments(recv_buf)
         P, M, K, H = L.world_size, L.max_m, L.topk, L.hidden
@@ -341,7 +359,46 @@ class GlooTransport(TransportDefaults):
         host_stamp(stamps, index, which)
 
     def close(self) -> None:
-        self._send = self._recv = self._combine_send = self._combine_recv = self._combine_messages = []
-        self._spill_send = self._spill_recv = []
+        if self._closed:
+            return
         self._built = None
         self._closed = True
+        self.shared.release()
+
+
+class GlooSharedBuffer(SharedBuffer):
+    """The gloo transport's messages of one slot (two phases each): dispatch send / receive,
+    spill send / receive, combine send / receive, each a flat byte buffer as large as the
+    largest layer's message to all ranks. A layer views a prefix as ``[P, its bytes]``
+    (contiguous: ``all_to_all_single`` takes it as is). Growing reallocates locally; every
+    rank grows alike since every rank builds the same layers."""
+
+    NAMES = ("send", "recv", "spill_send", "spill_recv", "comb_send", "comb_recv")
+    SIZE_OF = dict(send="msg", recv="msg", spill_send="spill", spill_recv="spill", comb_send="comb",
+                   comb_recv="comb")
+
+    def __init__(self, key, world_size: int, device: torch.device):
+        super().__init__(key)
+        self.world_size, self.device = world_size, device
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+
+    def reserve(self, sizes: dict[str, int]) -> None:
+        grown = merge_sizes(self.sizes, sizes)
+        if grown != self.sizes:
+            P = self.world_size
+            self.buffers = {name: [torch.zeros(P * max(grown[self.SIZE_OF[name]], 1), dtype=torch.uint8,
+                                               device=self.device) for _ in range(2)] for name in self.NAMES}
+            self.sizes = grown
+            self.generation += 1
+        self.users += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for bufs in self.buffers.values() for b in bufs)
+
+    def view(self, name: str, phase: int, nbytes: int) -> torch.Tensor:
+        """``[P, nbytes]`` bytes at the front of phase ``phase`` of message ``name``."""
+        return self.buffers[name][phase][:self.world_size * nbytes].view(self.world_size, nbytes)
+
+    def free(self) -> None:
+        self.buffers = {}
