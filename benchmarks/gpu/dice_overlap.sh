@@ -4,6 +4,7 @@
 # low-latency layer. One part per run:
 #
 #   bash benchmarks/gpu/dice_overlap.sh 4    # 4 GPUs, about 8-9 minutes (hard limits: xl 170 + 200 s, g 180 s)
+#   DICE_XL_BATCHES=8,32 bash benchmarks/gpu/dice_overlap.sh 4   # shorter: those xl batches, g at 8 (limits 200 + 120 s)
 #   bash benchmarks/gpu/dice_overlap.sh 2    # 2 GPUs, about 8 minutes (hard limits: tests 220 s, xl 190 s, g 130 s)
 #   bash benchmarks/gpu/dice_overlap.sh sms  # 4 GPUs, about 6 minutes: the stale exchange's SM budget
 #
@@ -50,13 +51,21 @@ step() {  # step <limit seconds> <world size> <args...>
   echo "commit ${MOEKIT_GIT_COMMIT:-unknown}"
   case "$PART" in
     4)
-      echo "== dit-moe-xl on 4 GPUs: batch 4 and 8, $DISPATCHERS; traces of batch 8 over stale"
-      step 170 4 --models dit-moe-xl --batches 4,8 --dispatchers "$DISPATCHERS" \
-        --trace "$TRACE" --trace-steps 2 --trace-schedules "$SCHEDULES"
-      echo "== dit-moe-xl on 4 GPUs: batch 16 and 32, $DISPATCHERS"
-      step 200 4 --models dit-moe-xl --batches 16,32 --dispatchers "$DISPATCHERS"
-      echo "== dit-moe-g on 4 GPUs: batch 8 and 32, alltoall, lowlatency, stale-graph"
-      step 180 4 --models dit-moe-g --batches 8,32 --dispatchers alltoall,lowlatency,stale-graph --steps 4 ;;
+      if [ -n "${DICE_XL_BATCHES:-}" ]; then  # a shorter run: these dit-moe-xl batches, dit-moe-g at batch 8
+        echo "== dit-moe-xl on 4 GPUs: batch $DICE_XL_BATCHES, $DISPATCHERS; traces of batch 8 over stale"
+        step 200 4 --models dit-moe-xl --batches "$DICE_XL_BATCHES" --dispatchers "$DISPATCHERS" \
+          --trace "$TRACE" --trace-steps 2 --trace-schedules "$SCHEDULES"
+        echo "== dit-moe-g on 4 GPUs: batch 8, alltoall, lowlatency, stale-graph"
+        step 120 4 --models dit-moe-g --batches 8 --dispatchers alltoall,lowlatency,stale-graph --steps 4
+      else
+        echo "== dit-moe-xl on 4 GPUs: batch 4 and 8, $DISPATCHERS; traces of batch 8 over stale"
+        step 170 4 --models dit-moe-xl --batches 4,8 --dispatchers "$DISPATCHERS" \
+          --trace "$TRACE" --trace-steps 2 --trace-schedules "$SCHEDULES"
+        echo "== dit-moe-xl on 4 GPUs: batch 16 and 32, $DISPATCHERS"
+        step 200 4 --models dit-moe-xl --batches 16,32 --dispatchers "$DISPATCHERS"
+        echo "== dit-moe-g on 4 GPUs: batch 8 and 32, alltoall, lowlatency, stale-graph"
+        step 180 4 --models dit-moe-g --batches 8,32 --dispatchers alltoall,lowlatency,stale-graph --steps 4
+      fi ;;
     2)
       echo "== tests/gpu/test_dice_overlap_gpu.py"
       timeout -k 10 220 python3 -m pytest tests/gpu/test_dice_overlap_gpu.py -q -p no:cacheprovider -rs -x

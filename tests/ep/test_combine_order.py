@@ -99,7 +99,7 @@ def _rows_on_the_wire(rank: int, world_size: int) -> dict:
         out[f"alltoall {order}"] = dispatched.handle.state["combine_rows"]
         layer = EPLowLatencyAllToAll(20, 24, ids[rank].shape[1], E, dtype=torch.float32, online_fp8=False,
                                      combine_order=order)
-        out[f"lowlatency {order}"] = layer.transport._combine_send[0].numel() * 4  # bytes of one combine message
+        out[f"lowlatency {order}"] = layer.transport._combine_recv[0].numel() * 4  # bytes of one combine message's rows
     layer = EPLowLatencyAllToAll(20, 24, ids[rank].shape[1], E, dtype=torch.float32, online_fp8=False,
                                  combine_order="rank")
     try:
