@@ -15,7 +15,6 @@ Skips without CUDA (2-GPU tests without 2 GPUs).
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -27,44 +26,16 @@ SCHEDULES = ("sync", "displaced", "interweaved", "dice")
 STEPS = 14  # long enough for every schedule's steady cycle to repeat (dice: period 2)
 
 
-def _sleep_ms(cycles: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def _sleep_cycles_for(ms: float) -> int:
-    """Cycles of ``torch.cuda._sleep`` lasting about ``ms``, calibrated three times over: the
-    first sleeps can run while the GPU's clock is still rising, which makes a cycle look slower
-    than it is (one calibration gave 11 ms for 40 on an H200)."""
-    cycles = 10_000_000
-    for _ in range(3):
-        cycles = int(cycles * ms / _sleep_ms(cycles))
-    return cycles
-
-
 def test_stream_executor_overlaps_without_a_thread():
     from moekit.dice.executor import InlineExecutor, StreamExecutor
+    from tests.gpu.test_dice_gpu import sleep_cycles_for, sleep_ms, timed_overlap
 
-    cycles = _sleep_cycles_for(40.0)
-
-    def timed(executor) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        handle = executor.submit(lambda: torch.cuda._sleep(cycles))
-        torch.cuda._sleep(cycles)
-        executor.wait(handle)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-
+    cycles = sleep_cycles_for(40.0)
     executor = StreamExecutor("cuda")
-    timed(executor)
-    overlapped = min(timed(executor) for _ in range(3))
-    serial = min(timed(InlineExecutor()) for _ in range(3))
-    one = _sleep_ms(cycles)  # one sleep, timed after the runs above: serial is two of them
+    timed_overlap(executor, cycles)
+    overlapped = min(timed_overlap(executor, cycles) for _ in range(3))
+    serial = min(timed_overlap(InlineExecutor(), cycles) for _ in range(3))
+    one = sleep_ms(cycles)  # one sleep, timed after the runs above: serial is two of them
     assert serial > 1.75 * one, (serial, one)
     assert overlapped < 0.7 * serial, (overlapped, serial)
 
