@@ -15,7 +15,6 @@ Skips without CUDA (2-GPU tests without 2 GPUs).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
