@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.dice import DiTMoE, ScheduleConfig, digits_config
+from moekit.dice import DiTMoE, ScheduleConfig, SchedulePlan, StalenessSimulator, digits_config, sample
 
 STEPS = 6
 CFG_SCALE = 1.5
@@ -54,3 +54,32 @@ CASES: dict[str, tuple[ScheduleConfig, str, str]] = {
     "ll-interweaved-latest": (ScheduleConfig("interweaved", scores="latest"), "lowlatency", "async"),
     "ll-dice": (ScheduleConfig("interweaved", async_layers="interleaved", cond_every=2), "lowlatency", "inline"),
 }
+
+
+def row_rank(sizes: list[int]) -> torch.Tensor:
+    """The rank of every MoE token row of the simulator's global batch ([cond | null] halves)."""
+    sample_rank = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return torch.cat([sample_rank, sample_rank]).repeat_interleave(CONFIG.tokens_per_image)
+
+
+def check_ranks_against_simulator(results: list[dict], name: str, schedule: ScheduleConfig, sizes: list[int],
+                                  model: DiTMoE, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Every rank's trajectory of schedule ``name`` (``results[rank][name]``) against the exact
+    staleness simulator on the global batch, bitwise, with the steps each layer's data came from
+    and the rows it sent; returns the simulated trajectory."""
+    world_size = len(sizes)
+    sim = StalenessSimulator(model.moe_weights(), CONFIG.moe_shape, schedule, STEPS, batch_invariant=True,
+                             world_size=world_size, row_rank=row_rank(sizes))
+    steps = []
+    sample(model, noise, labels, steps=STEPS, cfg_scale=CFG_SCALE, moe=sim, on_step=lambda i, z: steps.append(z.clone()))
+    traj = torch.stack(steps)
+    table = SchedulePlan(schedule, STEPS, CONFIG.depth).source_table
+    assert sim.stats()["sources"] == table, name
+    for rank in range(world_size):
+        got = results[rank][name]
+        assert torch.equal(got["traj"], traj[:, rank_slice(sizes, rank)]), f"{name}: rank {rank} differs"
+        assert got["stats"]["sources"] == table, f"{name}: rank {rank} used other steps' data"
+    for key in ("rows_remote", "rows_local"):
+        total = [sum(results[r][name]["stats"][key][t] for r in range(world_size)) for t in range(STEPS)]
+        assert total == sim.stats()[key], f"{name}: {key}"
+    return traj

@@ -16,13 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.dice import ScheduledMoE, SchedulePlan, StalenessSimulator, sample
+from moekit.dice import ScheduledMoE, SchedulePlan, sample
 from moekit.dice.executor import StreamExecutor
 from moekit.dice.schedules import ScheduleConfig
 from moekit.dice.stale import StaleExchange, balanced_capacity, exchange_group
 from moekit.ep import AllToAllDispatcher
 from moekit.ep.capspill import CapacityOverflowError
-from tests.dice.cases import CFG_SCALE, CONFIG, STEPS, global_batch, rank_slice, tiny_model
+from tests.dice.cases import (CFG_SCALE, CONFIG, STEPS, check_ranks_against_simulator, global_batch, rank_slice,
+                              tiny_model)
 from tests.ep.deadline import run_ranks
 
 WORLDS = {2: [3, 1], 4: [1, 2, 0, 1]}  # samples per rank; 4 in all, one rank empty on 4
@@ -126,33 +127,14 @@ def _worker(rank, world_size, sizes):
     return out
 
 
-def _row_rank(sizes: list[int]) -> torch.Tensor:
-    sample_rank = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    return torch.cat([sample_rank, sample_rank]).repeat_interleave(CONFIG.tokens_per_image)
-
-
 @pytest.mark.parametrize("world_size", sorted(WORLDS))
 def test_stream_executor_over_stale_exchange_matches_simulator(world_size):
     sizes = WORLDS[world_size]
     results, _ = run_ranks(_worker, world_size, sizes, deadline=600.0)
     model = tiny_model()
-    weights = model.moe_weights()
     noise, labels = global_batch(sizes)
     for name, schedule in SCHEDULES.items():
-        sim = StalenessSimulator(weights, CONFIG.moe_shape, schedule, STEPS, batch_invariant=True,
-                                 world_size=world_size, row_rank=_row_rank(sizes))
-        steps = []
-        sample(model, noise, labels, steps=STEPS, cfg_scale=CFG_SCALE, moe=sim,
-               on_step=lambda i, z: steps.append(z.clone()))
-        traj = torch.stack(steps)
-        table = SchedulePlan(schedule, STEPS, CONFIG.depth).source_table
-        for rank in range(world_size):
-            got = results[rank][name]
-            assert torch.equal(got["traj"], traj[:, rank_slice(sizes, rank)]), f"{name}: rank {rank} differs"
-            assert got["stats"]["sources"] == table, f"{name}: rank {rank} used other steps' data"
-        for key in ("rows_remote", "rows_local"):
-            total = [sum(results[r][name]["stats"][key][t] for r in range(world_size)) for t in range(STEPS)]
-            assert total == sim.stats()[key], f"{name}: {key}"
+        check_ranks_against_simulator(results, name, schedule, sizes, model, noise, labels)
     for rank in range(world_size):
         assert results[rank]["eager_guard"].endswith("between the issue of an exchange and its wait"), \
             results[rank]["eager_guard"]  # its host read of the receive sizes (item, tolist or cpu)

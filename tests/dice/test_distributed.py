@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.dice import ScheduledMoE, SchedulePlan, StalenessSimulator, make_executor, sample
+from moekit.dice import ScheduledMoE, make_executor, sample
 from moekit.ep import AllToAllDispatcher, EPLowLatencyAllToAll
-from tests.dice.cases import CASES, CFG_SCALE, CONFIG, STEPS, global_batch, rank_slice, tiny_model
+from tests.dice.cases import (CASES, CFG_SCALE, CONFIG, STEPS, check_ranks_against_simulator, global_batch, rank_slice,
+                              tiny_model)
 
 WORLDS = {2: [3, 1], 4: [1, 2, 0, 1]}  # samples per rank; 4 in all, one rank empty
 
@@ -54,12 +55,6 @@ def _worker(rank, world_size, sizes, names):
     return out
 
 
-def _row_rank(sizes: list[int]) -> torch.Tensor:
-    """The rank of every MoE token row of the simulator's global batch ([cond | null] halves)."""
-    sample_rank = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    return torch.cat([sample_rank, sample_rank]).repeat_interleave(CONFIG.tokens_per_image)
-
-
 # One launch per world size, shared with the other multi-rank tests (tests/rank_pool.py).
 @pytest.mark.ranks(lambda world_size: (_worker, WORLDS[world_size], list(CASES)))
 @pytest.mark.parametrize("world_size", sorted(WORLDS))
@@ -67,25 +62,9 @@ def test_schedules_match_the_simulator_bitwise(world_size, one_thread, pooled_la
     sizes = WORLDS[world_size]
     results = pooled_launch()
     model = tiny_model()
-    weights = model.moe_weights()
     noise, labels = global_batch(sizes)
-    simulated = {}
-    for name, (schedule, _, _) in CASES.items():
-        sim = StalenessSimulator(weights, CONFIG.moe_shape, schedule, STEPS, batch_invariant=True,
-                                 world_size=world_size, row_rank=_row_rank(sizes))
-        steps = []
-        sample(model, noise, labels, steps=STEPS, cfg_scale=CFG_SCALE, moe=sim,
-               on_step=lambda i, z: steps.append(z.clone()))
-        traj = simulated[name] = torch.stack(steps)
-        table = SchedulePlan(schedule, STEPS, CONFIG.depth).source_table
-        assert sim.stats()["sources"] == table, name
-        for rank in range(world_size):
-            got = results[rank][name]
-            assert torch.equal(got["traj"], traj[:, rank_slice(sizes, rank)]), f"{name}: rank {rank} differs"
-            assert got["stats"]["sources"] == table, f"{name}: rank {rank} used other steps' data"
-        for key in ("rows_remote", "rows_local"):
-            total = [sum(results[r][name]["stats"][key][t] for r in range(world_size)) for t in range(STEPS)]
-            assert total == sim.stats()[key], f"{name}: {key}"
+    simulated = {name: check_ranks_against_simulator(results, name, schedule, sizes, model, noise, labels)
+                 for name, (schedule, _, _) in CASES.items()}
     # The asynchronous schedules really use other data than sync (the equalities above are not vacuous),
     # and the options really change the result.
     sync = simulated["sync"]
