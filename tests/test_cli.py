@@ -29,12 +29,17 @@ def test_demo_json_passes(capsys):
     for i, rank in enumerate(report["ranks"]):
         assert rank["rows_sent_per_dest"] == peers[i]
         assert rank["rows_received_per_src"] == [row[i] for row in peers]
+    # The floor beside the step: a bare all-to-all of those rows, timed on every rank in the same run.
+    floor = report["bare_all_to_all_ms"]
+    assert len(floor["all"]) == 10 and all(t > 0 for t in floor["all"])
+    assert floor["min"] <= floor["median"] <= max(floor["all"])
 
 
 def test_demo_text_report(capsys):
     assert main(["demo", "--world-size", "2", "--tokens", "8", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "Verdict: PASS" in out and "bitwise" in out
+    assert "the floor, a bare all-to-all of the same rows out and back (gloo): median" in out
 
 
 def test_demo_prints_as_it_goes():

@@ -2,7 +2,9 @@
 
 Spawns ``world_size`` ranks (gloo on CPU; NCCL when there are enough GPUs), runs a
 scaled-down Mixtral-like MoE layer on synthetic routing for a few steps, and reports the
-routing, the traffic each rank sent and received, the time per step, and two checks:
+routing, the traffic each rank sent and received, the time per step beside a bare
+``all_to_all_single`` of the same bytes in the same run (the floor of the layer's exchanges),
+and two checks:
 
 1. exactness: dispatch -> identity experts -> combine equals ``sum_k w_k * x`` bitwise;
 2. accuracy: the layer's output against the float64 single-process reference.
@@ -26,6 +28,7 @@ from moekit.shapes import MoEShape, get_shape
 
 # The layer runs in float32 here; see tests/moe/test_layer.py for why 1e-5 is the bound.
 REL_TOL = 1e-5
+FLOOR_REPEATS = 10  # bare all-to-alls timed for the floor
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,30 @@ def _demo_rank(rank: int, world_size: int, cfg: DemoConfig, progress: str | None
             print(f"  step {step + 1}/{cfg.steps}: {out['step_ms'][-1]:.2f} ms on rank 0, relative error "
                   f"{out['rel_err'][-1]:.2e}, round trip bitwise: {'yes' if out['roundtrip_exact'][-1] else 'NO'}",
                   file=getattr(sys, progress), flush=True)
+    out["floor_ms"] = bare_exchange_ms(out["sent"][0], out["received"][0], shape.hidden, x.dtype, device)
     out["device"] = str(device)
     return out
+
+
+def bare_exchange_ms(sent: list[int], received: list[int], hidden: int, dtype: torch.dtype,
+                     device: torch.device, repeats: int = FLOOR_REPEATS) -> list[float]:
+    """The floor of a step's exchanges: ms per repeat of a bare ``all_to_all_single`` of the
+    step's rows out (``sent[d]`` rows of ``hidden`` to rank d, ``received[s]`` from rank s) and
+    back, ranks aligned before each repeat, after two untimed ones; [] without a process group."""
+    if not dist.is_initialized():
+        return []
+    rows_out = torch.randn(sum(sent), hidden).to(device=device, dtype=dtype)
+    rows_in = torch.empty(sum(received), hidden, dtype=dtype, device=device)
+    times = []
+    for i in range(repeats + 2):
+        _barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(rows_in, rows_out, received, sent)  # dispatch's direction
+        dist.all_to_all_single(rows_out, rows_in, sent, received)  # combine's
+        _sync(device)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def _barrier() -> None:
@@ -122,6 +147,7 @@ def run_demo(cfg: DemoConfig, progress: str | None = None) -> dict:
     counts = expert_counts(all_ids, s.num_experts)  # [steps, E]
     peers = peer_counts(all_ids, s.num_experts, P)  # [steps, P, P]
     step_ms = np.max([r["step_ms"] for r in ranks], axis=0)  # a step ends when its slowest rank does
+    floor_ms = np.max([r["floor_ms"] for r in ranks], axis=0) if ranks[0]["floor_ms"] else None
     max_err = max(max(r["rel_err"]) for r in ranks)
     exact = all(all(r["roundtrip_exact"]) for r in ranks)
     return {
@@ -142,6 +168,9 @@ def run_demo(cfg: DemoConfig, progress: str | None = None) -> dict:
         ],
         "time_per_step_ms": {"median": float(np.median(step_ms)), "min": float(step_ms.min()),
                              "all": step_ms.tolist()},
+        "bare_all_to_all_ms": None if floor_ms is None else {
+            "median": float(np.median(floor_ms)), "min": float(floor_ms.min()), "all": floor_ms.tolist(),
+            "what": "all_to_all_single of step 0's rows out and back, slowest rank"},
         "checks": {
             "roundtrip_bitwise": exact,
             "max_rel_err_vs_float64": max_err,
@@ -183,11 +212,16 @@ def format_demo(report: dict, header: bool = True) -> str:
     for rk in report["ranks"]:
         lines.append(f"  {rk['rank']:>4}  {rk['tokens']:>6}  {str(rk['rows_sent_per_dest']):<28}  "
                      f"{rk['rows_received_per_src']}")
-    t, c = report["time_per_step_ms"], report["checks"]
+    t, c, floor = report["time_per_step_ms"], report["checks"], report.get("bare_all_to_all_ms")
     lines += [
         "",
         f"Time per step (router given; dispatch + experts + combine, slowest rank): "
         f"median {t['median']:.2f} ms, best {t['min']:.2f} ms",
+    ]
+    if floor:
+        lines.append(f"  the floor, a bare all-to-all of the same rows out and back ({report['backend']}): median "
+                     f"{floor['median']:.2f} ms; the step takes {t['median'] / floor['median']:.1f}x that")
+    lines += [
         "",
         "Checks",
         f"  dispatch -> identity experts -> combine == sum_k w_k * x, bitwise (torch.equal): "
