@@ -44,6 +44,7 @@ class LocalDispatcher:
     rank = 0
     world_size = 1
     layout = TOKEN_MAJOR
+    compile_traceable = True  # nothing read on the host: torch.compile traces through it
 
     def __init__(self, num_experts: int, *, hidden: int | None = None, top_k: int | None = None,
                  max_tokens: int | None = None, dtype: torch.dtype | None = None, fp8: bool = False,

@@ -161,9 +161,22 @@ class _Backend:
             top_k_index, top_k_weights = tap(top_k_index, top_k_weights)  # a recorder is listening
         ids, weights = top_k_index, top_k_weights
         compute = self.compute_for(experts)
-        dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
-        y = self.dispatcher.combine(run_experts(compute, dispatched), dispatched)
+        exchange = _exchange if getattr(self.dispatcher, "compile_traceable", False) else _exchange_eagerly
+        y = exchange(self.dispatcher, compute, hidden_states, ids, weights)
         return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def _exchange(dispatcher, compute: nn.Module, hidden_states: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """Dispatch, the experts, combine."""
+    dispatched = dispatcher.dispatch(hidden_states, ids, weights)
+    return dispatcher.combine(run_experts(compute, dispatched), dispatched)
+
+
+# The expert-parallel dispatchers read message sizes or step statuses on the host and launch
+# their own kernels: torch.compile must not trace into them (under fake tensors they fail), so
+# a compiled model breaks its graph around the exchange and runs it as it is.
+_exchange_eagerly = torch.compiler.disable(_exchange)
 
 
 def _global_module_hooks() -> bool:
