@@ -32,6 +32,45 @@ def test_spawned_ranks_return_results_in_rank_order():
     assert torch.equal(results[2]["tensor"], torch.tensor([0, 2, 4]))
 
 
+def _environment_and_parent(rank, world_size, names):
+    return {name: os.environ.get(name) for name in names}, os.getppid()
+
+
+_ENVIRONMENT_LAUNCHER = textwrap.dedent("""
+    import json, os
+    from moekit.ep import launch
+    from tests.ep.test_launch import _environment_and_parent
+
+    names = ["MOEKIT_LAUNCH_TEST", "LAUNCH_TEST_PLAIN"]
+    out = {"me": os.getpid(), "runs": []}
+    out["runs"].append(launch(_environment_and_parent, 2, names, backend="gloo"))
+    os.environ["LAUNCH_TEST_PLAIN"] = "plain"
+    out["runs"].append(launch(_environment_and_parent, 2, names, backend="gloo"))
+    os.environ["MOEKIT_LAUNCH_TEST"] = "import-time"
+    out["runs"].append(launch(_environment_and_parent, 2, names, backend="gloo"))
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux")
+def test_gloo_ranks_start_from_the_fork_server_with_the_launchers_environment():
+    """gloo ranks are forked from the fork server (not spawned by the launcher), and each launch's
+    ranks see the launcher's environment as it is then: a plain variable set after the server
+    started is there, and one of the kinds read at import time spawns the ranks instead."""
+    env = {k: v for k, v in _cpu_env().items() if k not in ("MOEKIT_LAUNCH_TEST", "LAUNCH_TEST_PLAIN")}
+    done = subprocess.run([sys.executable, "-c", _ENVIRONMENT_LAUNCHER], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (first, served, spawned), me = out["runs"], out["me"]
+    assert [e for e, _ in first] == [{"MOEKIT_LAUNCH_TEST": None, "LAUNCH_TEST_PLAIN": None}] * 2
+    assert all(parent != me for _, parent in first), "ranks were not forked from the fork server"
+    assert [e for e, _ in served] == [{"MOEKIT_LAUNCH_TEST": None, "LAUNCH_TEST_PLAIN": "plain"}] * 2
+    assert all(parent != me for _, parent in served)
+    assert [e for e, _ in spawned] == [{"MOEKIT_LAUNCH_TEST": "import-time", "LAUNCH_TEST_PLAIN": "plain"}] * 2
+    assert all(parent == me for _, parent in spawned), "an import-time variable changed: the ranks are spawned"
+
+
 def test_bad_world_size_and_timeout():
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_info, 0, "x")

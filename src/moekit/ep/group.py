@@ -56,6 +56,10 @@ LOCALHOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 5.0  # how long a rank that was asked to stop (SIGTERM) has before SIGKILL
 _PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal this process gets when its parent dies
+_FORK_SERVER_ENV: dict | None = None  # the import-time variables of the first launch through the fork server
+# Environment variables that torch, Triton, their libraries and moekit may read at import time.
+_IMPORT_TIME_PREFIXES = ("TRITON", "MOEKIT", "TORCH", "PYTORCH", "NCCL", "GLOO", "OMP", "MKL", "KMP", "CUDA",
+                         "LD_", "PYTHON")
 _PARENT_POLL_S = 0.5  # how often a rank looks for a new parent (the fallback of PR_SET_PDEATHSIG)
 
 
@@ -96,7 +100,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results by rank.
 
     ``fn`` must be importable by a fresh interpreter (a module-level function): the ranks
-    are spawned, not forked. Each rank has joined the default process group (``backend``:
+    start from a clean process, not as copies of this one (spawned for NCCL; for gloo forked
+    from a fork server that has imported torch and moekit, see :func:`_start_context`). Each rank has joined the default process group (``backend``:
     gloo or NCCL, default :func:`default_backend`) before ``fn`` is called; under NCCL its
     current CUDA device is ``cuda:rank``.
 
@@ -115,7 +120,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_under_torchrun(fn, world_size, args, backend, timeout)]
     backend = backend or default_backend(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(backend)
+    forked = ctx.get_start_method() == "forkserver"
     store, port = _rendezvous_store(world_size, timeout)
     ranks = []
     sigterm = _SigtermGuard()
@@ -124,7 +130,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)  # one pipe per rank: a dying rank corrupts nothing shared
             process = ctx.Process(target=_worker, name=f"moekit-rank-{rank}",
-                                  args=(rank, world_size, port, backend, timeout, fn, args, sender, os.getpid()))
+                                  args=(rank, world_size, port, backend, timeout, fn, args, sender, os.getpid(),
+                                        dict(os.environ), _LauncherStreams() if forked else None))
             process.start()
             sender.close()  # the parent keeps only the reading end, so a dead rank reads as EOF
             ranks.append(_Rank(rank, process, receiver))
@@ -335,8 +342,11 @@ def _stop(process) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
-            fn: Callable[..., Any], args: tuple, sender, parent: int) -> None:
+            fn: Callable[..., Any], args: tuple, sender, parent: int, environment: dict, streams) -> None:
     _die_with_parent(parent)
+    if os.environ != environment:  # a rank of the fork server: the launcher's environment, as spawned
+        os.environ.clear()
+        os.environ.update(environment)
     try:
         result = _run_rank(rank, world_size, port, backend, timeout, fn, args)
         # Plain pickle copies tensors by value; torch's pickler would share memory that
@@ -365,29 +375,89 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         os._exit(2)
 
 
-def _die_with_parent(parent: int) -> None:
-    """End this rank as soon as ``parent`` (the launching process) is gone, however it went:
+def _start_context(backend: str):
+    """How ranks start. NCCL ranks are spawned (a fresh interpreter each). gloo ranks on Linux
+    are forked from a fork server, a clean process started once (the first launch) that has
+    imported torch and moekit, so a rank starts in a fraction of a second instead of importing
+    torch again (seconds per rank on a small CPU); like a spawned one, it starts from that
+    clean state, not from a copy of the launcher. Each rank takes the launcher's environment
+    (:func:`_worker`); but what torch, Triton and moekit read when they are imported was read in
+    the server, so a launch whose variables of that kind (:data:`_IMPORT_TIME_PREFIXES`) differ
+    from the server's spawns its ranks instead."""
+    global _FORK_SERVER_ENV
+    if backend == "nccl" or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    environment = {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
+    if _FORK_SERVER_ENV is None:
+        _FORK_SERVER_ENV = environment
+    elif environment != _FORK_SERVER_ENV:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "moekit.ep"])
+    return ctx
+
+
+class _LauncherStreams:
+    """The launcher's standard output and error as they are when it starts a rank, for a rank of
+    the fork server (whose own are the server's): pickled as the two file descriptors, which the
+    rank puts in place of its own when it is unpickled there (:func:`_use_streams`)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return _use_streams, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _use_streams(out, err) -> None:
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
+def _die_with_parent(launcher: int) -> None:
+    """End this rank as soon as ``launcher`` (the launching process) is gone, however it went:
     a rank left behind would hold its GPU, its sockets and its share of the cores forever.
 
-    Linux: the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``; the spawning
-    thread is ``launch``'s, which waits for the ranks). Everywhere, also a daemon thread that
-    polls ``os.getppid()``, which changes when the parent goes: the fallback where prctl is
-    missing or not honoured (some sandboxes), at the cost of one wake-up per half second.
+    The rank's parent is the launcher (spawned ranks) or the fork server, which exits when the
+    launcher does (the server reads the end of a pipe from it). Linux: the kernel sends SIGKILL
+    when the parent exits (``PR_SET_PDEATHSIG``). Everywhere, also a daemon thread that polls
+    ``os.getppid()``, which changes when the parent goes, and whether the launcher still runs:
+    the fallback where prctl is missing or not honoured (some sandboxes), at the cost of one
+    wake-up per half second.
     """
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent:  # it went before the kernel was told to watch it
+    if os.getppid() != parent or not _running(launcher):  # it went before the kernel was told to watch it
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent,), name="moekit-parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent, launcher), name="moekit-parent-watch", daemon=True).start()
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
+def _watch_parent(parent: int, launcher: int) -> None:
+    while os.getppid() == parent and _running(launcher):
         time.sleep(_PARENT_POLL_S)
     os._exit(1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout: float,
