@@ -101,9 +101,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
 
     ``fn`` must be importable by a fresh interpreter (a module-level function): the ranks
     start from a clean process, not as copies of this one (spawned for NCCL; for gloo forked
-    from a fork server that has imported torch and moekit, see :func:`_start_context`). Each rank has joined the default process group (``backend``:
-    gloo or NCCL, default :func:`default_backend`) before ``fn`` is called; under NCCL its
-    current CUDA device is ``cuda:rank``.
+    from a fork server that has imported torch and moekit, see :func:`_start_context`). Each
+    rank has joined the default process group (``backend``: gloo or NCCL, default
+    :func:`default_backend`) before ``fn`` is called; under NCCL its current CUDA device is
+    ``cuda:rank``.
 
     ``timeout`` (seconds): the process group's timeout (rendezvous and every collective
     without a shorter bound of its own), and, once a rank has failed, how long the others
@@ -343,6 +344,7 @@ def _stop(process) -> None:
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
             fn: Callable[..., Any], args: tuple, sender, parent: int, environment: dict, streams) -> None:
+    # ``streams`` (a _LauncherStreams, or None) did its work when the arguments were unpickled.
     _die_with_parent(parent)
     if os.environ != environment:  # a rank of the fork server: the launcher's environment, as spawned
         os.environ.clear()
