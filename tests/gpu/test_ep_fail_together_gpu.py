@@ -10,7 +10,8 @@ with an empty step) and the next step is exact; under graph replay a bad id on o
 makes ``check_replay`` raise the same error on both, in each combine order. A wrong
 ``expert_out`` on one rank in an eager NCCL combine: that rank raises at once, its status
 reaches the other with the rows (no host read in combine), and both raise at the next
-dispatch, whose host read carries it. The CPU tests (tests/ep/test_fail_together.py) cover
+dispatch, whose host read carries it; the low-latency layer's bad rank sends NaN rows through
+the symmetric-memory combine and its error with its next dispatch, where both raise. The CPU tests (tests/ep/test_fail_together.py) cover
 the rest on gloo.
 """
 
@@ -79,9 +80,14 @@ def _bad_expert_out(rank, world_size):
                        ("alltoall-rank", lambda: AllToAllDispatcher(E, max_tokens=T_MAX, hidden=H,
                                                                     combine_order="rank")),
                        ("maxcounts", lambda: MaxCountsDispatcher(E, T_MAX * K, T_MAX, top_k=K, hidden=H)),
-                       ("capspill", lambda: CapAndSpillDispatcher(E, 1, T_MAX, top_k=K, hidden=H))):
+                       ("capspill", lambda: CapAndSpillDispatcher(E, 1, T_MAX, top_k=K, hidden=H)),
+                       ("lowlatency", lambda: EPLowLatencyAllToAll(T_MAX, H, K, E, online_fp8=False)),
+                       ("lowlatency-rank", lambda: EPLowLatencyAllToAll(T_MAX, H, K, E, online_fp8=False,
+                                                                        combine_order="rank"))):
         d = make()
         x, ids, w = _inputs(T_MAX, E, 10 + rank, device)
+        if name.startswith("lowlatency"):
+            x = x.to(torch.bfloat16)  # the layer's dtype
         dispatched = d.dispatch(x, ids, w)
         expert_out = dispatched.tokens.clone()
         errors = {}
@@ -107,7 +113,7 @@ def _bad_expert_out(rank, world_size):
 def test_a_bad_expert_out_on_one_gpu_fails_both_ranks_at_the_next_dispatch():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (inherited by the ranks)
     results = launch(_bad_expert_out, 2, backend="nccl", timeout=300)
-    for name in ("alltoall", "alltoall-rank", "maxcounts", "capspill"):
+    for name in ("alltoall", "alltoall-rank", "maxcounts", "capspill", "lowlatency", "lowlatency-rank"):
         good, bad = results[0][name], results[1][name]
         assert "expert_out must be" in bad["combine"] and good["combine"] is True, (name, results)
         assert good["next"] == bad["next"] and "rank 1: expert_out must be" in good["next"], (name, results)

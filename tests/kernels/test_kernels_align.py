@@ -75,6 +75,19 @@ def test_align_masked_slots_and_empty_experts(align):
     assert int(align(ids.to(_device()), 8, 16).num_padded) == 3 * 16
 
 
+def test_align_bad_ids_go_to_expert_zero(align):
+    """Only -1 is masked: ids E, -2 and an int64 2**40 (no wrap to int32) are aligned as expert
+    0 (the kernels then weight those slots NaN), next to expert 0's real pairs in (token, slot)
+    order."""
+    E = 4
+    ids = torch.tensor([[1, 0], [E, -1], [-2, 3], [2**40, 0], [2, -1]], dtype=torch.int64)
+    as_routed = torch.tensor([[1, 0], [0, -1], [0, 3], [0, 0], [2, -1]], dtype=torch.int64)
+    al = align(ids.to(_device()), E, 16)
+    rows, blocks = _reference(as_routed, E, 16)
+    n = int(al.num_padded)
+    assert al.sorted_ids[:n].tolist() == rows and al.block_expert[:n // 16].tolist() == blocks
+
+
 def test_align_all_masked_and_single_token(align):
     _check(torch.full((3, 2), -1), 4, 16, align)
     _check(torch.tensor([[2]]), 4, 16, align)

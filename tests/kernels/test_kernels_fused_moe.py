@@ -159,6 +159,24 @@ def test_masked_slots(form, alignment):
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("alignment", ["sort", "direct"])
+def test_bad_ids_make_their_tokens_nan(form, alignment):
+    """Only -1 masks a slot. Ids E and -2, and an int64 2**40 that would wrap onto expert 0 in
+    int32, make exactly their tokens' rows NaN (no host read); the other rows are exact."""
+    x, w, ids, tw = _case(9, seed=5)
+    ids[2, 1] = -1  # masked: fine
+    bad = {3: SHAPE.num_experts, 5: -2, 8: 2**40}
+    good = [t for t in range(9) if t not in bad]
+    ref = reference_moe(x[good], w, ids[good], tw[good])
+    for t, value in bad.items():
+        ids[t, 0] = value
+    y = fused_moe(x.to(DEVICE), w.w13.to(DEVICE), w.w2.to(DEVICE), ids.to(DEVICE), tw.to(DEVICE), FORMS[form],
+                  alignment=alignment).cpu()
+    assert torch.isnan(y[sorted(bad)]).all(dim=1).all(), y[sorted(bad)]
+    assert _rel_err(y[good], ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("alignment", ["sort", "direct"])
 def test_all_slots_masked(form, alignment):
     x, w, ids, tw = _case(5, seed=12)
     ids[:] = -1

@@ -10,6 +10,11 @@ The kernel runs one CTA per block of ``bm`` rows of one expert. Alignment produc
   with -1 exits at once;
 * ``num_padded[1]`` int32: the real padded length (a multiple of ``bm``).
 
+Only -1 means a masked slot. An id outside [-1, E) (compared at the ids' own width, so an
+int64 ``2**40`` does not wrap onto a real expert) is aligned as expert 0, and the kernels give
+that slot a NaN routing weight (:func:`expert_of`): the token's output row comes out NaN, so a
+bad id shows in the result without a host read, and nothing is silently dropped.
+
 Everything stays on the device and no size depends on the routing: ``capacity`` is the upper
 bound ``M*K + min(E, M*K) * (bm - 1)`` rounded up to ``bm`` (every non-empty expert wastes at
 most ``bm - 1`` rows), so the grid can be launched at ``capacity // bm`` blocks without reading
@@ -57,6 +62,8 @@ class Alignment:
     bm: int
     num_pairs: int  # M*K (or E*capacity in expert-major): the sentinel value
     zeroed: bool = False  # whether the alignment's launches also zeroed the buffer it was given
+    topk_ids: torch.Tensor | None = None  # the routing aligned (token-major), read back for its bad ids
+    num_experts: int = 0
 
     @property
     def capacity(self) -> int:
@@ -67,9 +74,11 @@ class Alignment:
         return self.block_expert.shape[0]
 
     def kernel_args(self) -> tuple[tuple, dict]:
-        """(addressing arguments, constexprs) of the expert kernels (``fused_moe._block_rows``)."""
-        unused = self.sorted_ids  # the direct-addressing pointer, never read here
-        return ((self.sorted_ids, self.block_expert, self.num_padded, self.num_pairs, unused, 0, 1, 0),
+        """(addressing arguments, constexprs) of the expert kernels (``fused_moe._block_rows``).
+        The routing ids (where there are some) let the down-projection find each row's bad id
+        (:func:`expert_of`); the expert-major layout has none and never reads the pointer."""
+        ids = self.sorted_ids if self.topk_ids is None else self.topk_ids
+        return ((self.sorted_ids, self.block_expert, self.num_padded, self.num_pairs, ids, 0, 1, self.num_experts),
                 dict(DIRECT=False, KP=1, BINS=16))
 
 
@@ -140,8 +149,8 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
                  zero: torch.Tensor | None = None) -> Alignment:
     """Sort the pairs of ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
 
-    Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
-    validates, see ``moekit.ep.dispatcher.validate_routing``). Runs the Triton kernels where
+    -1 is a masked slot; any other id outside [-1, num_experts) is aligned as expert 0 (module
+    docstring: the kernels give it a NaN weight). Runs the Triton kernels where
     Triton can run on the ids' device, else the torch ops; both give the same tensors.
 
     ``zero``: a contiguous float32 buffer the caller needs zeroed (the kernels' accumulator).
@@ -165,12 +174,19 @@ _FILL = 1024  # sentinel stores per step
 if HAVE_TRITON:
 
     @triton.jit
+    def expert_of(raw, num_experts):
+        """(the expert the kernels route ``raw`` ids to, int32; which of them are bad). -1, the
+        masked slot, stays -1; an id outside [-1, num_experts), compared before any narrowing,
+        goes to expert 0 and is flagged, so that its slot gets a NaN weight (module docstring)."""
+        bad = (raw < -1) | (raw >= num_experts)
+        return tl.where(bad, 0, raw).to(tl.int32), bad
+
+    @triton.jit
     def _chunk_keys(ids_ptr, chunk, num_pairs, num_experts, SCAN: tl.constexpr):
         """Pair positions and expert ids of chunk ``chunk``; valid False past the end and on -1."""
         pos = chunk * SCAN + tl.arange(0, SCAN)
-        e = tl.load(ids_ptr + pos, mask=pos < num_pairs, other=-1).to(tl.int32)
-        valid = (e >= 0) & (e < num_experts)
-        return pos, e, valid
+        e, _ = expert_of(tl.load(ids_ptr + pos, mask=pos < num_pairs, other=-1), num_experts)
+        return pos, e, e >= 0
 
     @triton.jit
     def _fill_sentinel(sorted_ptr, lo, hi, num_pairs, FILL: tl.constexpr, FILL_STEPS: tl.constexpr):
@@ -279,7 +295,8 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)  # written by the kernel: no memset
-    al = Alignment(sorted_ids, block_expert, num_padded, bm, num_pairs)
+    ids = topk_ids.contiguous()
+    al = Alignment(sorted_ids, block_expert, num_padded, bm, num_pairs, topk_ids=ids, num_experts=num_experts)
     if num_pairs == 0:
         num_padded.zero_()
         return al
@@ -290,7 +307,6 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, bm: int, *,
     bins = _pow2_at_least(num_experts + 1, 16)  # one spare bin: invalid slots sort after every expert
     fill_per_prog = -(-cap // chunks)
     blocks_per_prog = -(-num_blocks // chunks)
-    ids = topk_ids.contiguous()
     one = chunks == 1
     hist = torch.empty(chunks if not one else 1, bins, dtype=torch.int32, device=device)
     fill = dict(FILL=_FILL, FILL_STEPS=_pow2_at_least(-(-(cap if one else fill_per_prog) // _FILL)))
@@ -314,8 +330,7 @@ def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Ali
     """:func:`align_tokens` in torch ops (several small kernels): sort the pairs of
     ``topk_ids[M, K]`` by expert and pad each expert to ``bm`` (no host sync).
 
-    Ids must be in [-1, num_experts); out-of-range ids are not checked here (the caller
-    validates, see ``moekit.ep.dispatcher.validate_routing``).
+    Ids outside [-1, num_experts) are aligned as expert 0, as the Triton kernels do.
     """
     _check_align_args(topk_ids, num_experts, bm)
     device = topk_ids.device
@@ -324,6 +339,7 @@ def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Ali
     cap = padded_capacity(num_pairs, E, bm)
 
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat < -1) | (flat >= E), 0, flat)  # bad ids: expert 0 (module docstring)
     # Masked slots get key E, so they sort after every real expert and fall into a dump bin.
     key = torch.where(flat >= 0, flat, torch.full_like(flat, E))
     # Stable sort: inside one expert the pairs keep their flat order token*K + slot, which is
@@ -356,7 +372,8 @@ def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Ali
     block_expert = torch.searchsorted(pend_blocks, blocks, right=True)
     block_expert = torch.where(block_expert < E, block_expert, torch.full_like(block_expert, -1))
     num_padded = padded.sum().reshape(1)
-    return Alignment(sorted_ids, block_expert.to(torch.int32), num_padded.to(torch.int32), bm, num_pairs)
+    return Alignment(sorted_ids, block_expert.to(torch.int32), num_padded.to(torch.int32), bm, num_pairs,
+                     topk_ids=topk_ids.contiguous(), num_experts=E)
 
 
 def align_expert_major(counts: torch.Tensor, capacity: int, bm: int) -> Alignment:

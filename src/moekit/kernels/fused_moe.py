@@ -97,7 +97,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
     x [M, H] fp16/bf16/fp32; w13 [E, 2N, H] (gate rows first, then up) and w2 [E, H, N] of
     the same dtype; topk_ids [M, K] int32/int64 in [-1, E) (-1 = masked slot, contributes
-    nothing; ids are not range-checked, to avoid a host sync); topk_weights [M, K] float
+    nothing; any other id outside [0, E) makes its token's row NaN, with no host read, see
+    ``align.py``); topk_weights [M, K] float
     (float32, bfloat16 or float16 are read as they are and widened to float32 in the kernel).
     float32 accumulation; the result has x's dtype. No host sync: usable under CUDA graphs.
     Not bitwise reproducible (float32 atomics, see the module docstring).

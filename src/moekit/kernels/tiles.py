@@ -18,6 +18,7 @@ from moekit.kernels.backend import HAVE_TRITON, tl, triton
 from moekit.kernels.quant import FP8_GROUP
 
 if HAVE_TRITON:
+    from moekit.kernels.align import expert_of
     from moekit.kernels.quant import quantize_tile
 
     SB = tl.constexpr(FP8_GROUP)  # scale block: 128 columns of activations, 128x128 of weights
@@ -54,10 +55,11 @@ if HAVE_TRITON:
         slot = tl.arange(0, KP)
         offs = tok[:, None] * top_k + slot[None, :]
         in_range = (tok < num_tokens)[:, None] & (slot < top_k)[None, :]
-        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-        valid = (ids >= 0) & (ids < num_experts)
+        ids, bad = expert_of(tl.load(ids_ptr + offs, mask=in_range, other=-1), num_experts)
+        valid = ids >= 0
         if MUL_WEIGHT:
             wts = tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+            wts = tl.where(bad, float("nan"), wts)  # a bad id's token comes out NaN (align.py)
         else:
             wts = tl.zeros((BM, KP), tl.float32)
         hist = tl.histogram(tl.reshape(tl.where(valid, ids, 0), (BM * KP,)), BINS, mask=tl.reshape(valid, (BM * KP,)))
@@ -118,6 +120,8 @@ if HAVE_TRITON:
             out_rows = tl.where(row_ok, pair // OUT_DIV, 0).to(tl.int64)
             if MUL_WEIGHT:
                 w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+                _, bad = expert_of(tl.load(ids_ptr + pair, mask=row_ok, other=-1), num_experts)
+                w = tl.where(bad, float("nan"), w)  # aligned as expert 0; its token comes out NaN
             else:
                 w = tl.zeros((BM,), tl.float32)
         return live, expert, rows, a_rows, out_rows, row_ok, w

@@ -24,8 +24,10 @@ sizes, dtype, FP8 settings and device type. In ``dispatch``, what happens to a b
 the gloo one) fails together the same way: a rank with bad arguments (``expert_out`` of
 another shape, dtype or device, routing that does not match the dispatch, ...) sends a
 poisoned message with its error in front, and every rank raises the same ValueError after
-the exchange. On the GPU transport the combine kernel carries no status: a bad rank raises
-alone, before launching it.
+the exchange. On the GPU transport the combine kernel carries no status: the bad rank still
+runs its combine with NaN rows (nobody waits on it) and raises at once, and its error travels
+with its next dispatch's status, where every rank raises it (the peers' combine results hold
+NaN where its rows belonged).
 
 Inside a CUDA-graph capture nothing can be read on the host: out-of-range ids are treated
 as masked, ``state["invalid_ids"]`` says whether any rank had one and
@@ -191,6 +193,10 @@ class EPLowLatencyAllToAll:
             "combine": collections.deque(maxlen=MAX_PROFILED_CALLS)}
         self._captured_stamps: dict[str, torch.Tensor] = {}  # written by every replay of a graph
         self._closed = False
+        # The last eager dispatch not yet combined (meta, ids, weights): what a rank whose combine
+        # arguments are bad still sends on a transport whose combine carries no status.
+        self._uncombined: tuple | None = None
+        self._combine_problem: str | None = None  # such a rank's error, sent with its next dispatch
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -246,6 +252,9 @@ class EPLowLatencyAllToAll:
             if by_rank and topk_weights is None:
                 problem = ("topk_weights: combine_order='rank' weights the expert outputs on the expert ranks, so "
                            "dispatch needs the routing weights; pass dispatch(x, topk_ids, topk_weights)")
+            if problem is None and self._combine_problem is not None:
+                problem = self._combine_problem  # every rank learns of the last combine's bad arguments here
+            self._combine_problem = None
             status = self.step.inspect(x, topk_ids, weights, problem=problem)
             if status.ok:
                 x, ids = x.contiguous(), topk_ids.to(torch.int32).contiguous()
@@ -293,6 +302,7 @@ class EPLowLatencyAllToAll:
         meta.num_dispatched = T
         state = dict(topk_ids=ids, topk_weights=topk_weights, num_tokens=T, invalid_ids=invalid,
                      invalid_by_rank=flagged_ranks)
+        self._uncombined = (meta, ids, topk_weights)
         if self.layout.bounded:  # counted on the device: tokens that came in spill rounds, and the rounds
             state.update(overflow_tokens=recv.overflow.sum(), spill_rounds=recv.spill_rounds)
         return LowLatencyDispatched(tokens=tokens, counts=meta.counts, handle=LowLatencyHandle(meta, state),
@@ -352,6 +362,9 @@ class EPLowLatencyAllToAll:
                                                                         dispatch_meta, zero_copy, capturing)
         except ValueError as error:
             if not together:
+                if self._send_nan_rows(topk_ids, capturing, str(error)):
+                    raise ValueError(f"EPLowLatencyAllToAll: {error} (this rank's rows went out as NaN; every "
+                                     "rank raises at its next dispatch)") from error
                 raise
             # Still take part in the exchange (a poisoned message), carrying the error to every rank.
             _, statuses = self.transport.combine(None, None, None, status=self.step.problem_status(str(error),
@@ -367,7 +380,36 @@ class EPLowLatencyAllToAll:
         self._stamp(stamps, TOPK_REDUCE, START)
         y = self.transport.topk_reduce(slot_rows, ids, weights, self.layout.dtype)
         self._stamp(stamps, TOPK_REDUCE, END)
+        self._uncombined = None
         return y
+
+    def _send_nan_rows(self, dispatched, capturing: bool, problem: str) -> bool:
+        """A rank whose combine arguments are bad, on a transport whose combine carries no status
+        (the GPU's): it still runs the combine of its dispatch (the ``dispatched`` it was given,
+        else its last one not combined yet) with NaN rows, so its peers do not wait on its
+        rows, and its error goes to every rank with its next dispatch's status (all raise
+        there, as the all-to-all's ranks do; the peers' results hold NaN where its rows
+        belonged). Nothing to send with one rank, inside a capture, or with no dispatch open
+        (False)."""
+        if isinstance(dispatched, LowLatencyDispatched) and dispatched.meta is not None:
+            state = dispatched.handle.state
+            step = (dispatched.meta, state["topk_ids"], state["topk_weights"])
+        else:
+            step = self._uncombined
+        if self.layout.world_size == 1 or capturing or step is None:
+            return False
+        meta, ids, weights = step
+        L = self.layout
+        nan_rows = torch.full((L.experts_per_rank, L.capacity, L.hidden), float("nan"), dtype=L.dtype,
+                              device=self.device)
+        if weights is None:
+            weights = torch.ones(ids.shape, dtype=torch.float32, device=self.device)
+        slot_rows = self.transport.combine(nan_rows, meta, None)
+        self.transport.topk_reduce(slot_rows, ids, weights, L.dtype)
+        self._uncombined = None
+        self._combine_problem = f"{problem} (found in the previous combine, whose results hold NaN where this " \
+                                "rank's rows belonged)"
+        return True
 
     def _combine_args(self, expert_out, topk_ids, topk_weights, dispatch_meta, zero_copy, capturing=False):
         """combine's arguments checked (ValueError) and resolved: (expert_out, ids, weights,

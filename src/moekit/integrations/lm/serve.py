@@ -13,7 +13,8 @@ Implementations (``--implementations``):
   attention), and the MoE blocks move tokens with the all-to-all dispatcher; one unit per
   ``--experts`` kind (``fused``: bf16 fused kernel, ``fused_fp8``: W8A8 FP8 experts, ``torch``).
 * ``moekit-1gpu``: the whole model on rank 0's GPU, patched with the same experts (where it fits).
-* ``transformers-tp``: ``from_pretrained(..., tp_plan="auto")``, transformers' tensor parallelism
+* ``transformers-tp``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=P,
+  tp_plan="auto"))``, transformers' tensor parallelism
   (every weight sharded, the experts by their hidden dimension; all ranks run the same batch).
 * ``transformers-ep``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=P,
   enable_expert_parallel=True))``, transformers' expert parallelism (the model's
@@ -273,18 +274,14 @@ def _load_unit(unit: Unit, spec: ServeSpec, model_name: str, layers: int, dtype,
     hf_logging.disable_progress_bar()
     common = dict(dtype=dtype, local_files_only=True)
     if unit.impl == "transformers-tp":
-        model = AutoModelForCausalLM.from_pretrained(ckpt, tp_plan="auto", **common)
-    elif unit.impl == "transformers-ep":
         try:
-            from transformers.distributed import DistributedConfig
-        except ImportError as exc:
-            raise NotImplementedError(f"this transformers has no DistributedConfig: {exc}") from None
-        import dataclasses
-
-        fields = {f.name for f in dataclasses.fields(DistributedConfig)}
-        if "enable_expert_parallel" not in fields:
-            raise NotImplementedError(f"DistributedConfig has no expert parallelism here (fields: {sorted(fields)})")
-        config = DistributedConfig(tp_size=rk.world, enable_expert_parallel=True)
+            config = _distributed_config(tp_size=rk.world, tp_plan="auto")
+        except NotImplementedError:  # a transformers from before DistributedConfig took the plan
+            model = AutoModelForCausalLM.from_pretrained(ckpt, tp_plan="auto", **common)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(ckpt, distributed_config=config, **common)
+    elif unit.impl == "transformers-ep":
+        config = _distributed_config(tp_size=rk.world, enable_expert_parallel=True)
         model = AutoModelForCausalLM.from_pretrained(ckpt, distributed_config=config, **common)
     elif unit.impl == "transformers-device-map":
         if not rk.cuda:
@@ -294,6 +291,22 @@ def _load_unit(unit: Unit, spec: ServeSpec, model_name: str, layers: int, dtype,
     else:
         raise ValueError(f"unknown implementation {unit.impl!r}")
     return model.eval()
+
+
+def _distributed_config(**fields):
+    """transformers' ``DistributedConfig(**fields)``; NotImplementedError where this transformers
+    has no such config or not these fields (the row then says so)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError as exc:
+        raise NotImplementedError(f"this transformers has no DistributedConfig: {exc}") from None
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(DistributedConfig)}
+    missing = sorted(set(fields) - known)
+    if missing:
+        raise NotImplementedError(f"DistributedConfig has no {missing} here (fields: {sorted(known)})")
+    return DistributedConfig(**fields)
 
 
 # ----------------------------------------------------------------------------- timing
