@@ -103,8 +103,12 @@ def _bad_expert_out(rank, world_size):
             errors["next"] = str(error)
         dispatched = d.dispatch(x, ids, w)
         y = d.combine(dispatched.tokens.clone(), dispatched).cpu()
-        want = _identity_want(x, ids, w)
-        errors["exact"] = torch.equal(y, want) if d.combine_order == "slot" else torch.allclose(y, want)
+        if d.combine_order == "slot":
+            want = _identity_want(x, ids, w)
+        else:  # the rank order's contract, bitwise
+            slot_out = x.cpu().unsqueeze(1).expand(T_MAX, K, H)
+            want = weighted_rank_sum(slot_out, ids.cpu(), w.cpu(), x.dtype, num_experts=E, world_size=world_size)
+        errors["exact"] = torch.equal(y, want)
         out[name] = errors
     return out
 
