@@ -68,12 +68,14 @@ def test_patched_blocks_match_and_read_nothing_back(arch, experts):
     assert experts != "torch" or len(calls) == len(moe_blocks(model))
 
 
+# "fused" with RaMP's "auto" policy: the step scope the patched model opens around its
+# forward stays out of a compiled graph.
 @pytest.mark.parametrize("experts", ["torch", "fused"])
 def test_compiles_with_no_graph_break(experts):
     model = build("olmoe")
     ids = prompts()
     want = logits(model, ids)
-    patch(model, experts=experts)
+    patch(model, experts=experts, **(dict(kernel_config="auto") if experts == "fused" else {}))
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons

@@ -408,13 +408,17 @@ def _step_scope(model: nn.Module) -> list:
 
     scopes = []
 
+    # A compiled forward has no step to open: its graphs read nothing on the host, and RaMP's
+    # policies take the static choice there (moekit.ops.policy).
     def enter(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
         scope = step()
         scope.__enter__()
         scopes.append(scope)
 
     def leave(module, args, kwargs, output):
-        if scopes:
+        if scopes and not torch.compiler.is_compiling():
             scopes.pop().__exit__(None, None, None)
 
     return [model.register_forward_pre_hook(enter, with_kwargs=True),

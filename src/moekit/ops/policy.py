@@ -18,6 +18,9 @@ this module, by one of the policy names:
   patched transformers model opens that step scope itself), whatever the prediction; without a
   model, the region-analysis fallback.
 
+Inside a CUDA graph being captured (a model compiled with ``mode="reduce-overhead"``) nothing
+can be read on the host, so ``"ramp"`` and ``"auto"`` take the static choice there.
+
 Token-count buckets: the count itself up to :data:`EXACT_BUCKETS` (decode batch sizes, where
 the choice matters most and there are few distinct counts), then powers of two; a bucket's
 configuration is the one chosen for its largest count, so every count in it runs a config
@@ -104,6 +107,14 @@ def forget_static() -> None:
         _STATIC.clear()
 
 
+def _without_reads(policy: str, routing: torch.Tensor) -> str:
+    """RaMP's policies read the routing on the host, which a CUDA graph being captured cannot
+    (a compiled model under ``mode="reduce-overhead"``): there they take the static choice."""
+    if policy in ("auto", "ramp") and routing.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "static"
+    return policy
+
+
 def token_config(policy: KernelConfig | str, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                  layer=None) -> KernelConfig:
     """The config of a token-major call (``fused_moe``) under ``policy``."""
@@ -111,6 +122,7 @@ def token_config(policy: KernelConfig | str, topk_ids: torch.Tensor, w13: torch.
         return policy
     M, K = topk_ids.shape
     fp8 = w13.dtype == _FP8
+    policy = _without_reads(policy, topk_ids)
     if policy == "auto":
         from moekit.ramp.select import auto_config
 
@@ -130,6 +142,7 @@ def expert_major_config(policy: KernelConfig | str, counts: torch.Tensor, capaci
     """The config of an expert-major call (``fused_moe_expert_major``) under ``policy``."""
     if isinstance(policy, KernelConfig):
         return policy
+    policy = _without_reads(policy, counts)
     usable = capacity > 0 and counts.dim() == 1 and counts.shape[0] == w13.shape[0]
     if policy == "auto" and usable:
         from moekit.ramp.select import auto_config_expert_major
