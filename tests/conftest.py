@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Under pytest-xdist (the README's `-n 2`) the workers share the cores: one intra-op thread each,
+# inherited by the ranks they launch (set before torch starts its thread pool).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Without a GPU every Triton kernel runs in the interpreter, and TRITON_INTERPRET is read when a
 # kernel is decorated: set here, before any test module imports Triton or moekit's kernels, so
