@@ -63,21 +63,9 @@ def kernel_part():
             torch._dynamo.reset()
 
 
-def _greedy(model, ids, compiled):
-    kwargs = {}
-    if compiled:
-        from transformers import CompileConfig
-
-        kwargs = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                             **kwargs)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
-
-
 def model_part():
     from moekit.integrations.transformers import patch, unpatch
+    from tests.gpu.test_local_path_gpu import _greedy  # eager, or static cache + reduce-overhead
     from tests.integrations.tiny_models import build, prompts
 
     model = build("olmoe", device="cuda", dtype=torch.bfloat16, hidden=512, intermediate=256, experts=64, top_k=8)
