@@ -16,6 +16,9 @@ names (``world_size`` is the test's parameter or the marker's ``world_size=`` ke
 The marker's ``deadline`` (seconds, the hard bound of tests/ep/deadline.py) bounds the job
 inside the shared launch too: each rank arms it around the job.
 
+Under pytest-xdist (the README's ``-n 2``) each worker sees every collected test but runs only
+some, so there each marked test runs its job in a launch of its own.
+
 If the shared launch fails (a rank raised, died, or a job ran past its deadline), each test
 then runs its job in a launch of its own, so that the failure is reported by the test whose
 job failed, with its own traceback, and the other tests still pass or fail on their own.
@@ -24,6 +27,7 @@ job failed, with its own traceback, and the other tests still pass or fail on th
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import warnings
 from typing import Any, Callable
@@ -85,7 +89,10 @@ class RankPool:
         from tests.ep.deadline import HungError, run_ranks
 
         world_size, fn, args, options = self.job(item)
-        if world_size not in self.launched:
+        # Under pytest-xdist every worker sees every test: a shared launch would run the jobs of
+        # tests other workers run. Each test runs its own launch there (the fork server keeps
+        # that cheap).
+        if world_size not in self.launched and not os.environ.get("PYTEST_XDIST_WORKER"):
             self.launched.add(world_size)
             jobs, deadline, timeout = [], 0.0, 0.0
             for other in item.session.items:

@@ -31,7 +31,7 @@ examples get no ``TRITON_INTERPRET`` from the test's environment: an example tha
 interpreter on a CPU sets it itself, as a user would.
 
 The examples run side by side, one per CPU core (at most 8), all started when the first test of
-this module asks for its result; each has a timeout (``MOEKIT_DOCS_TIMEOUT`` seconds, default
+this module asks for its result (under pytest-xdist, one at a time in each worker); each has a timeout (``MOEKIT_DOCS_TIMEOUT`` seconds, default
 600). On 2 CPU cores the whole module takes about two minutes.
 """
 
@@ -42,7 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,9 +193,23 @@ def _weight(ex: Example) -> int:
     return sum(word in ex.code for word in ("launch(", "lm train", "trace record", "transformers", "TRITON_INTERPRET"))
 
 
+class _RunWhenAsked(dict):
+    """{id: future} whose example runs when its test asks for it (under pytest-xdist)."""
+
+    def __missing__(self, key: str) -> Future:
+        done = Future()
+        done.set_result(run_example(next(ex for ex in EXAMPLES if ex.id == key)))
+        return done
+
+
 @pytest.fixture(scope="module")
 def started(request):
-    """Every selected example that can run here, started side by side: {id: future}."""
+    """Every selected example that can run here, started side by side: {id: future}. Under
+    pytest-xdist the workers are the parallelism and each runs only the examples it is given
+    (every worker sees every selected test, so a pool here would run each example twice)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield _RunWhenAsked()
+        return
     this = Path(__file__).resolve()
     wanted = []
     for item in request.session.items:
