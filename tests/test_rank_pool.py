@@ -31,7 +31,8 @@ def test_fails(pooled_launch):
 
 
 @pytest.fixture
-def toy(pytester):
+def toy(pytester, monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the toy suite runs as a plain session
     pytester.makeconftest("from tests.conftest import pooled_launch, pytest_configure, rank_pool  # noqa: F401\n")
     pytester.makepyfile(test_rank_pool_toy=TOY)
     return pytester
