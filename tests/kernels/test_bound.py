@@ -44,7 +44,7 @@ class FakeKernel:
 @pytest.fixture
 def compiled_mode(monkeypatch):
     monkeypatch.setattr(bound, "KERNELS_INTERPRETED", False)
-    monkeypatch.setattr(bound, "_stream", lambda: "stream")
+    monkeypatch.setattr(bound, "current_stream", lambda: "stream")
     monkeypatch.setattr(bound, "_BOUND", {})
     monkeypatch.setattr(bound, "_REMEMBERED", {})
 

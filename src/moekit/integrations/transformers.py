@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from moekit.ep.dispatcher import run_experts
 from moekit.fp8 import dequantize_groups
@@ -138,13 +139,16 @@ class _Backend:
 
         A compiled forward cannot read storage pointers: it runs the compute it finds, which
         must have been built for the weights' dtype and device (by ``patch`` or an eager call)."""
-        w13 = experts.gate_up_proj
+        params = experts._parameters  # (read directly: this runs at every experts call)
+        w13, w2 = params.get("gate_up_proj"), params.get("down_proj")
+        if w13 is None or w2 is None:
+            w13, w2 = experts.gate_up_proj, experts.down_proj
         if torch.compiler.is_compiling():
             if self.compute is None or self.built_from[2:] != (w13.dtype, w13.device):
                 raise RuntimeError("the patched model's weights moved since moekit last ran them: run one eager "
                                    "forward (or patch again) before compiling it")
             return self.compute
-        key = (w13.data_ptr(), experts.down_proj.data_ptr(), w13.dtype, w13.device)
+        key = (w13.data_ptr(), w2.data_ptr(), w13.dtype, w13.device)
         if self.compute is None or key != self.built_from:
             if self.experts_kind == "torch":
                 self.compute = ModelTorchExperts(experts, self.local_slice(experts))
@@ -181,9 +185,7 @@ _exchange_eagerly = torch.compiler.disable(_exchange)
 
 def _global_module_hooks() -> bool:
     """Whether global module hooks are registered (they would see the tap's call too)."""
-    from torch.nn.modules import module as m
-
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
 class ModelTorchExperts(nn.Module):

@@ -17,6 +17,9 @@ config alone (nothing is read back from the device), which is what makes the cal
 such a key; a launch whose kernel differs from the bound one is bound again. Outside a scope,
 in Triton's interpreter, or while Triton's launch hooks are set (a profiler such as Proton),
 :func:`launch` is Triton's launch.
+
+Inside a :func:`recording` scope every launch is also appended to a list, with its binary, grid
+and whole argument list in signature order (``moekit.kernels.recipe`` replays calls from it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from contextvars import ContextVar
 from moekit.kernels.backend import HAVE_TRITON, KERNELS_INTERPRETED
 
 _SCOPE: ContextVar[list | None] = ContextVar("moekit_bound_scope", default=None)
+_RECORDING: ContextVar[list | None] = ContextVar("moekit_bound_recording", default=None)
 _BOUND: dict[tuple, tuple] = {}  # (call key, launch index) -> (kernel, binary, names after the positional args)
 _REMEMBERED: dict[tuple, object] = {}  # (call key, what) -> a value the key decides
 _MISSING = object()
@@ -68,9 +72,35 @@ def _hooked() -> bool:
     return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
 
 
-def _stream():
+def current_stream() -> int:
+    """The raw handle of the current device's current stream (what a launch runs on)."""
     device = _driver.active.get_current_device()
     return _driver.active.get_current_stream(device)
+
+
+class recording:
+    """``with recording(events):`` every launch inside (of a :func:`call` scope) appends
+    ``("launch", binary, grid, arguments in signature order)`` to ``events``, or ``("refuse",)``
+    where it has no binary to launch from (Triton's launch hooks are set)."""
+
+    __slots__ = ("events", "token")
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def __enter__(self):
+        self.token = _RECORDING.set(self.events)
+        return self
+
+    def __exit__(self, *exc):
+        _RECORDING.reset(self.token)
+        return False
+
+
+def _note(binary, grid: tuple, values) -> None:
+    events = _RECORDING.get()
+    if events is not None:
+        events.append(("launch", binary, grid, tuple(values)) if binary is not None else ("refuse",))
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -79,6 +109,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     scope = _SCOPE.get()
     if scope is None:
         kernel[grid](*args, **kwargs)
+        _note(None, grid, ())
         return
     where = (scope[0], scope[1])
     scope[1] += 1
@@ -88,14 +119,25 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         if binary is not None and hasattr(binary, "packed_metadata") and not _hooked():
             if len(_BOUND) >= _MAX_BOUND:
                 _BOUND.clear()
-            _BOUND[where] = (kernel, binary, _tail(kernel, len(args)))
+            tail = _tail(kernel, len(args))
+            _BOUND[where] = (kernel, binary, tail)
+            _note(binary, grid, (*args, *_values(tail, kwargs)))
+        else:
+            _note(None, grid, ())
         return
     _, binary, tail = bound
+    values = (*args, *_values(tail, kwargs))
     run = binary.run  # (loads the binary if it is not yet)
     # Triton's launcher: the grid, the stream, the binary, no launch metadata and no hooks, then
     # every parameter in signature order (the constexprs too; the launcher skips them).
-    run(*(grid + _ONES[len(grid)]), _stream(), binary.function, binary.packed_metadata, None, None, None,
-        *args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+    run(*(grid + _ONES[len(grid)]), current_stream(), binary.function, binary.packed_metadata, None, None, None,
+        *values)
+    _note(binary, grid, values)
+
+
+def _values(tail: tuple, kwargs: dict) -> list:
+    """The values of the parameters ``tail`` names: from ``kwargs``, else their defaults."""
+    return [kwargs[name] if name in kwargs else default for name, default in tail]
 
 
 def remembered(what, compute):

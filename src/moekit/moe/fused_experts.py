@@ -104,26 +104,28 @@ class FusedExperts(nn.Module):
             return (a, scales) if a.dtype == FP8_DTYPE else (a.to(self.out_dtype), None)
         if scales is not None:
             a = dequantize_groups(a, scales, self.out_dtype)
-        return a.to(self.out_dtype), None
+        return (a if a.dtype == self.out_dtype else a.to(self.out_dtype)), None
 
     def token_major(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     scales: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]``: the K slots of every token weighted and summed (see the class docstring)."""
         given = x
         x, scales = self._kernel_inputs(x, scales)
+        held = self._buffers  # (read directly: this is the hot path of every patched experts call)
+        w13, w2 = held["w13"], held["w2"]
         config = self.config
         if not torch.compiler.is_compiling():  # compiled, the operator resolves the policy itself
             # The static policy's answer per token count, kept here: one dict lookup per call.
             config = self._static.get(topk_ids.shape[0]) if config == "static" else None
             if config is None:
-                config = self._ops.policy.token_config(self.config, topk_ids, self.w13, self.w2, layer=id(self))
+                config = self._ops.policy.token_config(self.config, topk_ids, w13, w2, layer=id(self))
                 if self.config == "static" and len(self._static) < 4096:
                     self._static[topk_ids.shape[0]] = config
-            self.last_config = config
-        out = self._ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, config,
-                                  w13_scale=self.w13_scale, w2_scale=self.w2_scale, x_scale=scales)
+            self.__dict__["last_config"] = config
+        out = self._ops.fused_moe(x, w13, w2, topk_ids, topk_weights, config,
+                                  w13_scale=held.get("w13_scale"), w2_scale=held.get("w2_scale"), x_scale=scales)
         out = out if out.dtype == self.out_dtype else out.to(self.out_dtype)
-        return _guard_backward(out, given, self.w13)
+        return _guard_backward(out, given, w13)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         check_expert_tokens(tokens, scales, self.num_experts, self.w13.shape[2])

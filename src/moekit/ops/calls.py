@@ -9,7 +9,8 @@ kernels directly; traced by ``torch.compile`` they become the custom operators o
 The host path of an eager call is kept short: the argument checks run once per signature (the
 shapes, strides, dtypes and devices of every tensor; a new token count is a new signature), the
 config comes from the policy's dict, the kernels launch straight from their binaries after the
-first call of a signature (:mod:`moekit.kernels.bound`), and nothing is read back from the
+first call of a signature (:mod:`moekit.kernels.bound`), from the third on the call is replayed
+from its recorded launches (:mod:`moekit.kernels.recipe`), and nothing is read back from the
 device (except by the ``"auto"`` / ``"ramp"`` policies, whose reads are RaMP's, once per step).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.kernels import bound
+from moekit.kernels import recipe
 from moekit.kernels.configs import KernelConfig
 from moekit.ops.policy import check_policy, expert_major_config, token_config
 
@@ -73,8 +74,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
 
 def eager_fused_moe(x, w13, w2, topk_ids, topk_weights, policy: KernelConfig | str, *, w13_scale=None,
-                    w2_scale=None, x_scale=None, layer=None) -> torch.Tensor:
-    """:func:`fused_moe` run now: checks once per signature, the policy's config, the launch."""
+                    w2_scale=None, x_scale=None, layer=None, replay: bool = True) -> torch.Tensor:
+    """:func:`fused_moe` run now: checks once per signature, the policy's config, the launch
+    (``replay``: from the call's recorded launches where it can, :mod:`moekit.kernels.recipe`)."""
     from moekit.kernels.fused_moe import check_fused_moe, run_fused_moe
 
     key = signature(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, x_scale)
@@ -84,9 +86,9 @@ def eager_fused_moe(x, w13, w2, topk_ids, topk_weights, policy: KernelConfig | s
         _remember(_CHECKED, key)
     config = _checked_config(token_config(policy, topk_ids, w13, w2, layer=layer), w13.dtype == torch.float8_e4m3fn)
     tensors = (x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, x_scale)
-    with bound.call(("fused_moe", key, config, alignments(tensors))):
-        return run_fused_moe(x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale,
-                             x_scale=x_scale)
+    return recipe.run(("fused_moe", key, config, alignments(tensors)), tensors, lambda: run_fused_moe(
+        x, w13, w2, topk_ids, topk_weights, config, w13_scale=w13_scale, w2_scale=w2_scale, x_scale=x_scale),
+        replay=replay)
 
 
 def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -108,7 +110,8 @@ def fused_moe_expert_major(tokens: torch.Tensor, counts: torch.Tensor, w13: torc
 
 
 def eager_fused_moe_expert_major(tokens, counts, w13, w2, policy: KernelConfig | str, *, w13_scale=None,
-                                 w2_scale=None, token_scales=None, top_k=None, layer=None) -> torch.Tensor:
+                                 w2_scale=None, token_scales=None, top_k=None, layer=None,
+                                 replay: bool = True) -> torch.Tensor:
     from moekit.kernels.expert_major import check_fused_moe_expert_major, run_fused_moe_expert_major
 
     key = ("expert_major",) + signature(tokens, counts, w13, w2, w13_scale, w2_scale, token_scales)
@@ -119,6 +122,6 @@ def eager_fused_moe_expert_major(tokens, counts, w13, w2, policy: KernelConfig |
     config = expert_major_config(policy, counts, tokens.shape[1], w13, w2, top_k=top_k, layer=layer)
     config = _checked_config(config, w13.dtype == torch.float8_e4m3fn)
     tensors = (tokens, counts, w13, w2, w13_scale, w2_scale, token_scales)
-    with bound.call((key, config, alignments(tensors))):
-        return run_fused_moe_expert_major(tokens, counts, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
-                                          token_scales=token_scales)
+    return recipe.run((key, config, alignments(tensors)), tensors, lambda: run_fused_moe_expert_major(
+        tokens, counts, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale, token_scales=token_scales),
+        replay=replay)

@@ -12,6 +12,7 @@ shapes known, and CUDA graphs (``mode="reduce-overhead"``) capture their launche
   config)`` -> ``[E_local, capacity, H]``: :func:`moekit.kernels.fused_moe_expert_major`.
 
 ``config`` is a policy name of :mod:`moekit.ops.policy` or a :attr:`KernelConfig.id`. The
+operators launch the kernels without replay (:mod:`moekit.kernels.recipe` says why). The
 operators have no backward: their autograd formula raises (the fused kernels are for
 inference), so a graph that needs a gradient through them fails loudly instead of returning
 none.
@@ -46,7 +47,7 @@ def fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     from moekit.ops.calls import eager_fused_moe
 
     return eager_fused_moe(x, w13, w2, topk_ids, topk_weights, policy_from_str(config), w13_scale=w13_scale,
-                           w2_scale=w2_scale, x_scale=x_scale)
+                           w2_scale=w2_scale, x_scale=x_scale, replay=False)
 
 
 @fused_moe_op.register_fake
@@ -61,7 +62,7 @@ def fused_moe_expert_major_op(tokens: torch.Tensor, counts: torch.Tensor, w13: t
     from moekit.ops.calls import eager_fused_moe_expert_major
 
     return eager_fused_moe_expert_major(tokens, counts, w13, w2, policy_from_str(config), w13_scale=w13_scale,
-                                        w2_scale=w2_scale, token_scales=token_scales)
+                                        w2_scale=w2_scale, token_scales=token_scales, replay=False)
 
 
 @fused_moe_expert_major_op.register_fake
