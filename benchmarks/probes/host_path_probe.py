@@ -6,7 +6,7 @@ CUDA graphs (one GPU).
    kernels by Triton's own launch, and a patched block's experts call at M = 1 and 64
    (OLMoE-1B-7B dimensions), then a cProfile of 300 calls of each moekit call (top entries by
    own time).
-2. A 4-layer OLMoE-1B-7B model patched with ``fused``, greedy generation at batch 1 under a
+2. A 4-layer OLMoE-1B-7B model (``PROBE_PRESET`` names another preset) patched with ``fused``, greedy generation at batch 1 under a
    static cache and ``torch.compile(fullgraph=True, mode="reduce-overhead")``, with inductor's
    CUDA-graph decisions logged (the lines that say a graph was skipped, and why).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import cProfile
 import io
 import logging
+import os
 import pstats
 import sys
 import time
@@ -113,7 +114,9 @@ def part2():
     keep = Keep()
     for name in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._dynamo"):
         logging.getLogger(name).addHandler(keep)
-    model = random_model("olmoe-1b-7b", layers=4, device="cuda")
+    preset = os.environ.get("PROBE_PRESET", "olmoe-1b-7b")
+    print(f"part 2: {preset}, 4 layers, batch 1")
+    model = random_model(preset, layers=4, device="cuda")
     ids = random_prompts(model.config.vocab_size, 1, 64).cuda()
     for name in ("transformers", "fused"):
         if name == "fused":

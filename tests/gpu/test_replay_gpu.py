@@ -16,9 +16,16 @@ pytest.importorskip("triton")
 
 import moekit.ops as ops  # noqa: E402
 from moekit.fp8 import calc_diff, quantize_blocks  # noqa: E402
-from moekit.kernels import KernelConfig, recipe  # noqa: E402
+from moekit.kernels import KernelConfig, bound, recipe  # noqa: E402
 from moekit.kernels import fused_moe as triton_fused_moe  # noqa: E402
 from moekit.kernels.expert_major import fused_moe_expert_major as triton_expert_major  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    """Every test binds and records its own calls (others may have run the same signatures)."""
+    bound._BOUND.clear()
+    recipe.forget()
 
 E, H, N, K = 8, 256, 256, 2
 CONFIGS = {

@@ -80,7 +80,7 @@ def serve_rank(rank: int, world_size: int, combine_orders: tuple[str, ...]) -> d
                                     full_allocated=bool(log.shapes & full_expert_shapes(config)), logits=logits)
             if arch == "olmoe" and order == "slot" and world_size == 2:
                 # torch.compile of the rank's share: the graph breaks around the exchange, which runs as it is.
-                compiled = torch.compile(model, fullgraph=False, backend="aot_eager")
+                compiled = torch.compile(model, fullgraph=False, backend="eager")
                 with torch.no_grad():
                     out["compiled"] = (compiled(ids).logits, logits)
                 torch._dynamo.reset()
@@ -184,7 +184,9 @@ def test_a_rank_share_needs_its_own_dispatcher():
 
 def test_a_compiled_rank_share_equals_the_eager_one(served):
     """torch.compile (no full graph) of an expert-parallel model: the exchange runs outside the
-    graph, the rest compiled; the prompt logits are the eager ones."""
+    graphs dynamo traces around it (the eager backend: where the graph breaks is what is
+    checked here; the compiled local path is tests/integrations/test_transformers_local.py's);
+    the prompt logits are the eager ones."""
     for rank, result in enumerate(served(2)):
         compiled, eager = result["compiled"]
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
