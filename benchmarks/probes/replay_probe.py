@@ -16,21 +16,9 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import time
 
 import torch
-
-
-def host_us(call, iters: int) -> float:
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def per_call_us(fn, n: int = 20000) -> float:
@@ -41,7 +29,7 @@ def per_call_us(fn, n: int = 20000) -> float:
 
 
 def main() -> int:
-    from moekit.bench.experts_call import _routing
+    from moekit.bench.experts_call import _routing, host_us
     from moekit.integrations.lm.presets import random_model
     from moekit.integrations.transformers import moe_blocks, patch
     from moekit.kernels import bound, recipe

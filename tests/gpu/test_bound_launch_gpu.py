@@ -14,42 +14,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import moekit.ops as ops  # noqa: E402
-from moekit.fp8 import calc_diff, quantize_blocks  # noqa: E402
-from moekit.kernels import KernelConfig, bound, recipe  # noqa: E402
+from moekit.fp8 import calc_diff  # noqa: E402
+from moekit.kernels import KernelConfig, bound  # noqa: E402
+from tests.gpu.launch_cases import CONFIGS, E, H, fresh_caches, inputs, weights  # noqa: E402,F401
 from moekit.kernels import fused_moe as triton_fused_moe  # noqa: E402
 from moekit.kernels.expert_major import fused_moe_expert_major as triton_expert_major  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_caches():
-    """Every test binds and records its own calls (others may have run the same signatures)."""
-    bound._BOUND.clear()
-    recipe.forget()
-
-E, H, N, K = 8, 256, 256, 2
-CONFIGS = {
-    "decode": KernelConfig(bm=16, bn=128, bk=128, form="two_launch", split_k=1),
-    "fused": KernelConfig(bm=16, bn=128, bk=128, form="fused"),
-    "split_k": KernelConfig(bm=32, bn=128, bk=128, num_stages=2, form="two_launch", split_k=2),
-}
-
-
-def _weights(fp8: bool, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = torch.randn(E, 2 * N, H, device="cuda", generator=g).mul_(0.05).bfloat16()
-    w2 = torch.randn(E, H, N, device="cuda", generator=g).mul_(0.05).bfloat16()
-    if not fp8:
-        return w13, w2, {}
-    (q13, s13), (q2, s2) = quantize_blocks(w13, 128), quantize_blocks(w2, 128)
-    return q13, q2, dict(w13_scale=s13, w2_scale=s2)
-
-
-def _inputs(M: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(M, E, device="cuda", generator=g).argsort(1)[:, :K].to(torch.int32)
-    w = torch.rand(M, K, device="cuda", generator=g)
-    return x, ids, (w / w.sum(1, keepdim=True)).bfloat16()
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -57,10 +26,10 @@ def _inputs(M: int, seed: int):
 @pytest.mark.parametrize("M", [1, 7, 16, 300])
 def test_bound_launches_equal_tritons_launch(M, name, fp8):
     config = CONFIGS[name]
-    w13, w2, scales = _weights(fp8)
+    w13, w2, scales = weights(fp8)
     before = bound.bound_count()
     for seed in range(3):  # the first call binds; the others launch from the binaries
-        x, ids, w = _inputs(M, seed)
+        x, ids, w = inputs(M, seed)
         got = ops.fused_moe(x, w13, w2, ids, w, config, **scales)
         want = triton_fused_moe(x, w13, w2, ids, w, config, **scales)
         torch.cuda.synchronize()
@@ -75,8 +44,8 @@ def test_bound_launches_equal_tritons_launch(M, name, fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_bound_launches_in_a_cuda_graph(fp8):
     config = CONFIGS["decode"]
-    w13, w2, scales = _weights(fp8)
-    x, ids, w = _inputs(4, 0)
+    w13, w2, scales = weights(fp8)
+    x, ids, w = inputs(4, 0)
     ops.fused_moe(x, w13, w2, ids, w, config, **scales)  # binds
     ops.fused_moe(x, w13, w2, ids, w, config, **scales)
     torch.cuda.synchronize()
@@ -84,7 +53,7 @@ def test_bound_launches_in_a_cuda_graph(fp8):
     with torch.cuda.graph(graph):
         out = ops.fused_moe(x, w13, w2, ids, w, config, **scales)
     for seed in (1, 2):
-        x2, ids2, w2_ = _inputs(4, seed)
+        x2, ids2, w2_ = inputs(4, seed)
         x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
         graph.replay()
         torch.cuda.synchronize()
@@ -92,7 +61,7 @@ def test_bound_launches_in_a_cuda_graph(fp8):
 
 
 def test_bound_expert_major_equals_tritons_launch():
-    w13, w2, _ = _weights(False)
+    w13, w2, _ = weights(False)
     capacity = 40
     for seed in range(3):
         g = torch.Generator(device="cuda").manual_seed(seed)
