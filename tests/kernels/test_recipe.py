@@ -186,3 +186,19 @@ def test_replay_false_keeps_the_ordinary_path(compiled_mode):
         recipe.run("key", (x,), ordinary, replay=False)
     assert [e[0] for e in k1.log] == ["triton", "launcher", "launcher", "launcher"]
     assert recipe.recipe_count() == 0
+
+
+def test_workspaces_past_the_budget_drop_the_other_recipes(compiled_mode, monkeypatch):
+    """Each call keeps a 32-byte workspace; with room for one, preparing the second key's drops
+    the first's recipe, which is then recorded again and replayed with a workspace of its own."""
+    monkeypatch.setattr(recipe, "MAX_HELD_BYTES", 40)
+    k1, k2 = FakeKernel(), FakeKernel()
+    a, b = torch.randn(5, 3), torch.randn(4, 3)
+    for x in (a, a, a, b, b, b):
+        _call(k1, k2, x)
+    assert recipe.recipe_count() == 1 and recipe.held_bytes() == 32
+    for _ in range(3):
+        _call(k1, k2, a)  # recorded again (two ordinary calls), then replayed
+    assert [e[0] for e in k1.log] == ["triton", "launcher", "native"] + ["triton", "launcher", "native"] + \
+        ["launcher", "launcher", "native"]
+    assert recipe.held_bytes() == 32

@@ -40,7 +40,10 @@ _RECIPES: dict = {}  # call key -> Recipe, or _NEVER
 _SEEN: set = set()  # keys called once (bound, not yet recorded)
 _NEVER = object()
 _MAX_RECIPES = 512
-MAX_WORKSPACE_BYTES = 256 << 20  # a call whose workspaces are larger is not replayed (large M: the GPU dominates)
+_MAX_SEEN = 4096
+MAX_WORKSPACE_BYTES = 64 << 20  # a call whose workspaces are larger is not replayed (large M: the GPU dominates)
+MAX_HELD_BYTES = 512 << 20  # workspaces kept in all; past it every recipe is dropped and recorded again
+_held = [0]  # bytes of workspaces kept now
 ENABLED = os.environ.get("MOEKIT_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
 _ALLOCATING = frozenset(("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"))
 _CONSTANTS = (int, float, bool, str, type(None))
@@ -60,6 +63,8 @@ def run(key, inputs: tuple, ordinary, *, replay: bool = True):
             return recipe.replay(inputs)
         if key in _SEEN:
             return _record(key, inputs, ordinary)
+        if len(_SEEN) >= _MAX_SEEN:  # many distinct token counts (prefill): forget them as they come
+            _SEEN.clear()
         _SEEN.add(key)
     with bound.call(key):
         return ordinary()
@@ -74,6 +79,12 @@ def forget() -> None:
     """Drop every recipe and its workspaces (calls are recorded again as they come)."""
     _RECIPES.clear()
     _SEEN.clear()
+    _held[0] = 0
+
+
+def held_bytes() -> int:
+    """Bytes of workspaces the recipes keep now (bounded by ``MAX_HELD_BYTES``)."""
+    return _held[0]
 
 
 class _Watch(TorchDispatchMode):
@@ -100,7 +111,7 @@ def _record(key, inputs: tuple, ordinary):
     watch = _Watch(events)
     with bound.call(key), bound.recording(events), watch:
         out = ordinary()
-    recipe = None if watch.refused else Recipe.build(inputs, out, events)
+    recipe = None if watch.refused else Recipe.build(key, inputs, out, events)
     if len(_RECIPES) >= _MAX_RECIPES:
         forget()
     _RECIPES[key] = _NEVER if recipe is None else recipe
@@ -125,9 +136,10 @@ def _find(ptr: int, spans: list) -> tuple[int, int] | None:
 class Recipe:
     """A call's launches with the sources of their addresses (the module docstring)."""
 
-    __slots__ = ("launches", "output", "workspaces", "inputs", "per_stream")
+    __slots__ = ("key", "launches", "output", "workspaces", "inputs", "per_stream")
 
-    def __init__(self, launches, output, workspaces, inputs: int):
+    def __init__(self, key, launches, output, workspaces, inputs: int):
+        self.key = key
         self.launches = launches  # [(binary, grid3, base args, [(position, source, offset)])]
         self.output = output  # (shape, stride, dtype, device)
         self.workspaces = workspaces  # {source: (shape, stride, dtype, device)}
@@ -135,7 +147,7 @@ class Recipe:
         self.per_stream: dict = {}
 
     @classmethod
-    def build(cls, inputs: tuple, out, events: list) -> Recipe | None:
+    def build(cls, key, inputs: tuple, out, events: list) -> Recipe | None:
         """The recipe of a recorded call, or None where it cannot be replayed."""
         if not isinstance(out, torch.Tensor) or any(out is t for t in inputs if t is not None):
             return None
@@ -183,10 +195,18 @@ class Recipe:
         # Sources renumbered: inputs 0..n-1, the output n, workspaces after.
         launches = [(binary, grid, base, [(p, n if s == out_source else s, o) for p, s, o in dynamic])
                     for binary, grid, base, dynamic in launches]
-        return cls(launches, (tuple(out.shape), out.stride(), out.dtype, out.device), workspaces, n)
+        return cls(key, launches, (tuple(out.shape), out.stride(), out.dtype, out.device), workspaces, n)
 
     def _prepare(self, stream: int) -> list:
-        """The launches for ``stream``: its workspaces allocated and their addresses filled in."""
+        """The launches for ``stream``: its workspaces allocated and their addresses filled in.
+        Past ``MAX_HELD_BYTES`` in all, every other recipe is dropped first (prefill with many
+        distinct lengths would otherwise keep a workspace per length)."""
+        need = sum(_bytes(*spec) for spec in self.workspaces.values())
+        if _held[0] + need > MAX_HELD_BYTES:
+            forget()
+            self.per_stream.clear()
+            _RECIPES[self.key] = self
+        _held[0] += need
         held = {src: torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for src, (shape, stride, dtype, device) in self.workspaces.items()}
         prepared = []
