@@ -17,12 +17,17 @@ Workspaces (the buffers a call allocates and does not return) are allocated once
 stream, and reused: the kernels of one stream run in order, and every kernel launched here waits
 for the one before it to complete before it touches memory (under programmatic dependent launch
 too, see :mod:`moekit.kernels.pdl`), so no call writes a workspace an earlier call still reads.
+A call whose workspaces pass ``MAX_WORKSPACE_BYTES`` is not replayed (at such sizes the GPU's
+time dominates), and the workspaces kept in all stay under ``MAX_HELD_BYTES`` (past it the
+recipes are dropped and recorded again as calls come).
+
 A call made while a CUDA graph is being captured takes the ordinary path (the graph owns its
 buffers), and so does every call of the custom operators (:mod:`moekit.ops.library`), which run
 inside compiled graphs: torch.compile's CUDA graphs also run them once, uncaptured, with their
-allocations going to the graphs' memory pool, where a workspace kept here would not belong. A call that does anything else (a torch kernel such as a fill or a copy, a tensor
-argument whose address is neither an input's nor an allocation's, a launch hook) is never
-replayed: it takes the ordinary path every time.
+allocations going to the graphs' memory pool, where a workspace kept here would not belong. A
+call that does anything else (a torch kernel such as a fill or a copy, a tensor argument whose
+address is neither an input's nor an allocation's, a launch hook) is never replayed: it takes
+the ordinary path every time.
 
 ``MOEKIT_REPLAY=0`` in the environment (read at import) turns replay off.
 """
